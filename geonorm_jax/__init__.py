@@ -1,0 +1,1 @@
+"""geonorm_jax: normalization placements in Transformers, in JAX/Flax NNX."""

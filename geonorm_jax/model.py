@@ -1,0 +1,283 @@
+"""The decoder: embeddings -> blocks (attention, MLP; residual placement from the registry) -> head.
+
+Two backbones share this one file: `gpt2` (learned positions, LayerNorm with bias, GELU,
+tied embeddings) and `llama` (RoPE, RMSNorm, SwiGLU, no biases, untied head, grouped-query
+attention). The placement decides which norms exist and how each sublayer updates the
+residual stream; see placements.py for the equations.
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from geonorm_jax import init_rules, norms, placements
+from geonorm_jax.layers import Linear, NgptScale, Norm, apply_rope, constant, param, rope_cos_sin
+from geonorm_jax.spec import ModelSpec, resolve
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def compute_dtype(spec):
+  return _DTYPES[spec.dtype]
+
+
+def _stream_norm(spec, placement, width, axis_name):
+  kind = "dyt" if placement.stream_norm == "dyt" else spec.norm_kind
+  return Norm(width, kind=kind, axis_name=axis_name, eps=spec.norm_eps, gain=spec.norm_gain,
+              bias=spec.norm_bias or kind == "dyt", dyt_alpha=spec.dyt_alpha_init)
+
+
+def _inner_norm(spec, width, axis_name):
+  """SimpleNorm's norm after a linear map: same kind as the stream norm, gain initialised to 1."""
+  return Norm(width, kind=spec.norm_kind, axis_name=axis_name, eps=spec.norm_eps,
+              gain=spec.norm_gain, bias=spec.norm_bias)
+
+
+def _maybe(flag, build):
+  return build() if flag else None
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, spec: ModelSpec, layer: int, rngs):
+    placement = placements.get_placement(spec.placement)
+    name = f"blocks.{layer - 1}.attn"
+    d, hd = spec.d_model, spec.head_dim
+    q_width, kv_width = spec.num_heads * hd, spec.num_kv_heads * hd
+    dtype = compute_dtype(spec)
+    std = functools.partial(init_rules.init_std, spec, layer=layer)
+
+    def linear(role, d_in, d_out, axes):
+      return Linear(d_in, d_out, name=f"{name}.{role}", axes=axes, std=std(role),
+                    bias=spec.has_bias, dtype=dtype, rngs=rngs)
+
+    self.spec = spec
+    self.q = linear("q", d, q_width, ("embed", "heads"))
+    self.k = linear("k", d, kv_width, ("embed", "kv"))
+    self.v = linear("v", d, kv_width, ("embed", "kv"))
+    self.o = linear("o", q_width, d, ("heads", "embed"))
+    simple = placement.norm_after_every_linear
+    self.q_out_norm = _maybe(simple, lambda: _inner_norm(spec, q_width, "heads"))
+    self.k_out_norm = _maybe(simple, lambda: _inner_norm(spec, kv_width, "kv"))
+    self.v_out_norm = _maybe(simple, lambda: _inner_norm(spec, kv_width, "kv"))
+    self.o_out_norm = _maybe(simple, lambda: _inner_norm(spec, d, "embed"))
+    qk_norm = lambda: Norm(hd, kind="rmsnorm", axis_name="head_dim", eps=spec.norm_eps)
+    self.q_head_norm = _maybe(spec.qk_norm, qk_norm)
+    self.k_head_norm = _maybe(spec.qk_norm, qk_norm)
+    # nGPT: q and k live on the unit sphere per head, rescaled by learnable s_q and s_k.
+    self.s_q = _maybe(placement.is_ngpt, lambda: NgptScale(q_width, 1.0, d ** -0.5, "heads"))
+    self.s_k = _maybe(placement.is_ngpt, lambda: NgptScale(kv_width, 1.0, d ** -0.5, "kv"))
+
+  @staticmethod
+  def _apply(module, x):
+    return x if module is None else module(x)
+
+  def __call__(self, x_BxLxD, perturb=None):
+    spec = self.spec
+    batch, length, _ = x_BxLxD.shape
+    hd, heads, kv_heads = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    q = self._apply(self.q_out_norm, self.q(x_BxLxD, perturb))
+    k = self._apply(self.k_out_norm, self.k(x_BxLxD, perturb))
+    v = self._apply(self.v_out_norm, self.v(x_BxLxD, perturb))
+    q_BxLxHxK = self._apply(self.q_head_norm, q.reshape(batch, length, heads, hd))
+    k_BxLxGxK = self._apply(self.k_head_norm, k.reshape(batch, length, kv_heads, hd))
+    v_BxLxGxK = v.reshape(batch, length, kv_heads, hd)
+    scale = 1.0 / math.sqrt(hd)
+    if self.s_q is not None:
+      s_q_HxK = self.s_q().reshape(heads, hd).astype(q.dtype)
+      s_k_GxK = self.s_k().reshape(kv_heads, hd).astype(k.dtype)
+      q_BxLxHxK = norms.l2_normalize(q_BxLxHxK) * s_q_HxK
+      k_BxLxGxK = norms.l2_normalize(k_BxLxGxK) * s_k_GxK
+      scale = math.sqrt(hd)  # unit vectors: undo the 1/sqrt(d) that random vectors need
+    if spec.uses_rope:
+      cos, sin = rope_cos_sin(length, hd, spec.rope_theta)
+      q_BxLxHxK = apply_rope(q_BxLxHxK, cos, sin)
+      k_BxLxGxK = apply_rope(k_BxLxGxK, cos, sin)
+    out_BxLxHxK = causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, scale)
+    out = self.o(out_BxLxHxK.reshape(batch, length, heads * hd), perturb)
+    return self._apply(self.o_out_norm, out)
+
+
+def causal_attention(q_BxLxHxK, k_BxMxGxK, v_BxMxGxK, scale):
+  """Grouped-query causal attention; query head h reads KV head h // (H/G), as in HF LLaMA."""
+  batch, length, heads, hd = q_BxLxHxK.shape
+  kv_heads = k_BxMxGxK.shape[2]
+  q_BxLxGxRxK = q_BxLxHxK.reshape(batch, length, kv_heads, heads // kv_heads, hd)
+  scores = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxMxGxK,
+                      preferred_element_type=jnp.float32) * scale
+  causal_LxM = jnp.tril(jnp.ones((length, length), bool))
+  scores = jnp.where(causal_LxM, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxMxGxK.dtype)
+  out = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxMxGxK)
+  return out.reshape(batch, length, heads, hd)
+
+
+class MLP(nnx.Module):
+  """GELU (gpt2) or SwiGLU (llama); SimpleNorm puts a norm after each of its matrices."""
+
+  def __init__(self, spec: ModelSpec, layer: int, rngs):
+    placement = placements.get_placement(spec.placement)
+    name = f"blocks.{layer - 1}.mlp"
+    d, f = spec.d_model, spec.d_ff
+    dtype = compute_dtype(spec)
+    std = functools.partial(init_rules.init_std, spec, layer=layer)
+
+    def linear(role, d_in, d_out, axes):
+      return Linear(d_in, d_out, name=f"{name}.{role}", axes=axes, std=std(role),
+                    bias=spec.has_bias, dtype=dtype, rngs=rngs)
+
+    self.gated = spec.gated_mlp
+    self.up = linear("up", d, f, ("embed", "mlp"))
+    self.gate = _maybe(self.gated, lambda: linear("gate", d, f, ("embed", "mlp")))
+    self.down = linear("down", f, d, ("mlp", "embed"))
+    simple = placement.norm_after_every_linear
+    self.up_out_norm = _maybe(simple, lambda: _inner_norm(spec, f, "mlp"))
+    self.gate_out_norm = _maybe(simple and self.gated, lambda: _inner_norm(spec, f, "mlp"))
+    self.down_out_norm = _maybe(simple, lambda: _inner_norm(spec, d, "embed"))
+    ngpt = placement.is_ngpt
+    self.s_up = _maybe(ngpt, lambda: NgptScale(f, 1.0, 1.0, "mlp"))
+    self.s_gate = _maybe(ngpt and self.gated, lambda: NgptScale(f, 1.0, 1.0, "mlp"))
+    self.ngpt_input_scale = math.sqrt(d) if ngpt else 1.0
+
+  def __call__(self, x_BxLxD, perturb=None):
+    up = Attention._apply(self.up_out_norm, self.up(x_BxLxD, perturb))
+    if self.s_up is not None:
+      up = up * self.s_up().astype(up.dtype)
+    if self.gated:
+      gate = Attention._apply(self.gate_out_norm, self.gate(x_BxLxD, perturb))
+      if self.s_gate is not None:
+        # nGPT: the gate sees unit-norm rows, so sqrt(d) restores the SiLU's working range.
+        gate = gate * (self.s_gate() * self.ngpt_input_scale).astype(gate.dtype)
+      hidden = jax.nn.silu(gate) * up
+    else:
+      hidden = jax.nn.gelu(up * self.ngpt_input_scale, approximate=True)
+    return Attention._apply(self.down_out_norm, self.down(hidden, perturb))
+
+
+class Block(nnx.Module):
+  """One attention and one MLP sublayer, each applied through the configured placement."""
+
+  def __init__(self, spec: ModelSpec, layer: int, rngs):
+    placement = placements.get_placement(spec.placement)
+    self.spec, self.layer = spec, layer
+    self.attn = Attention(spec, layer, rngs)
+    self.mlp = MLP(spec, layer, rngs)
+    has_in = placement.has_input_norm(layer, spec)
+    has_out = placement.has_output_norm(layer, spec)
+    d = spec.d_model
+    self.attn_in_norm = _maybe(has_in, lambda: _stream_norm(spec, placement, d, "embed"))
+    self.attn_out_norm = _maybe(has_out, lambda: _stream_norm(spec, placement, d, "embed"))
+    self.mlp_in_norm = _maybe(has_in, lambda: _stream_norm(spec, placement, d, "embed"))
+    self.mlp_out_norm = _maybe(has_out, lambda: _stream_norm(spec, placement, d, "embed"))
+    ngpt_alpha = lambda: NgptScale(d, spec.ngpt_alpha_init, d ** -0.5, "embed")
+    self.attn_alpha = _maybe(placement.is_ngpt, ngpt_alpha)
+    self.mlp_alpha = _maybe(placement.is_ngpt, ngpt_alpha)
+
+  def _context(self, sublayer_index, ngpt_alpha):
+    spec = self.spec
+    k = placements.geonorm_update_index(self.layer, sublayer_index, spec.geo_counter)
+    total = placements.geonorm_num_updates(spec.num_layers, spec.geo_counter)
+    return placements.ResidualContext(
+        layer=self.layer, num_layers=spec.num_layers, dt=spec.dt,
+        geo_step_size=norms.geonorm_step_size(k, total, spec.geo_alpha, spec.geo_schedule),
+        geo_theta_max=spec.geo_theta_max or None,
+        deepnorm_alpha=norms.deepnorm_alpha(spec.num_layers),
+        ngpt_alpha=None if ngpt_alpha is None else ngpt_alpha())
+
+  def __call__(self, x_BxLxD, perturb=None):
+    update = placements.get_placement(self.spec.placement).update
+    x_BxLxD = _tap_stream(perturb, f"blocks.{self.layer - 1}.input", x_BxLxD)
+    attn_norms = placements.SublayerNorms(self.attn_in_norm, self.attn_out_norm)
+    x_BxLxD = update(x_BxLxD, lambda h: self.attn(h, perturb), attn_norms,
+                     self._context(1, self.attn_alpha))
+    mlp_norms = placements.SublayerNorms(self.mlp_in_norm, self.mlp_out_norm)
+    return update(x_BxLxD, lambda h: self.mlp(h, perturb), mlp_norms,
+                  self._context(2, self.mlp_alpha))
+
+
+def _tap_stream(perturb, name, x):
+  if perturb and name in perturb:
+    return x + perturb[name].astype(x.dtype)
+  return x
+
+
+class Transformer(nnx.Module):
+  """Token ids (B, L) -> float32 logits (B, L, V)."""
+
+  def __init__(self, spec: ModelSpec, rngs: nnx.Rngs):
+    placement = placements.get_placement(spec.placement)
+    self.spec = spec
+    d = spec.d_model
+    self.embed = param(rngs, (spec.vocab_size, d), init_rules.init_std(spec, "embed"),
+                       ("vocab", "embed"))
+    self.positions = _maybe(spec.backbone == "gpt2", lambda: param(
+        rngs, (spec.max_seq_len, d), init_rules.init_std(spec, "positions"), ("length", "embed")))
+    self.embed_norm = _maybe(spec.embed_norm, lambda: _stream_norm(spec, placement, d, "embed"))
+    self.blocks = nnx.List([Block(spec, layer, rngs) for layer in range(1, spec.num_layers + 1)])
+    self.final_norm = _maybe(placement.final_norm,
+                             lambda: _stream_norm(spec, placement, d, "embed"))
+    self.head = _maybe(not spec.tie_embeddings, lambda: param(
+        rngs, (d, spec.vocab_size), init_rules.init_std(spec, "head"), ("embed", "vocab")))
+    self.s_z = _maybe(placement.is_ngpt, lambda: NgptScale(spec.vocab_size, 1.0, d ** -0.5,
+                                                           "vocab"))
+
+  def embed_tokens(self, tokens_BxL):
+    spec = self.spec
+    dtype = compute_dtype(spec)
+    x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dtype)
+    if self.positions is not None:
+      x_BxLxD = x_BxLxD + self.positions[: tokens_BxL.shape[1]].astype(dtype)
+    if self.embed_norm is not None:
+      x_BxLxD = self.embed_norm(x_BxLxD)
+    radius = placements.get_placement(spec.placement).embedding_radius
+    if radius == "rms":
+      x_BxLxD = norms.rms_norm(x_BxLxD, None, spec.norm_eps)  # the sphere of radius sqrt(d)
+    elif radius == "l2":
+      x_BxLxD = norms.l2_normalize(x_BxLxD)
+    return x_BxLxD
+
+  def logits(self, x_BxLxD):
+    if self.final_norm is not None:
+      x_BxLxD = self.final_norm(x_BxLxD)
+    head_DxV = self.embed[...].T if self.head is None else self.head[...]
+    logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD.astype(jnp.float32), head_DxV,
+                              preferred_element_type=jnp.float32)
+    if self.s_z is not None:
+      logits_BxLxV = logits_BxLxV * self.s_z()
+    return logits_BxLxV
+
+  def __call__(self, tokens_BxL, perturb=None, return_streams=False):
+    """Logits; with return_streams, also the residual stream entering each block and the last."""
+    x_BxLxD = self.embed_tokens(tokens_BxL)
+    streams = [x_BxLxD]
+    for block in self.blocks:
+      if self.spec.remat:
+        x_BxLxD = nnx.remat(lambda blk, x, p: blk(x, p))(block, x_BxLxD, perturb)
+      else:
+        x_BxLxD = block(x_BxLxD, perturb)
+      streams.append(x_BxLxD)
+    logits_BxLxV = self.logits(x_BxLxD)
+    return (logits_BxLxV, streams) if return_streams else logits_BxLxV
+
+
+def build(model_config_or_spec, seed=0):
+  """A Transformer from config.model (validated first) or a ModelSpec."""
+  spec = model_config_or_spec
+  if not isinstance(spec, ModelSpec):
+    spec = resolve(spec)
+  model = Transformer(spec, nnx.Rngs(params=seed))
+  if placements.get_placement(spec.placement).is_ngpt:
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, init_rules.normalize_ngpt_weights(state))
+  return model
+
+
+def abstract_params(model_config_or_spec):
+  """(graphdef, abstract state) without allocating: the way to count or shard big models."""
+  return nnx.split(nnx.eval_shape(lambda: build(model_config_or_spec)))
+
+
+def count_params(state):
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(state))

@@ -1,0 +1,37 @@
+"""geonorm_jax: where should normalization sit in a Transformer? JAX/Flax NNX research code."""
+from setuptools import find_packages, setup
+
+setup(
+    name="geonorm_jax",
+    version="0.1.0",
+    description="Normalization placements (GeoNorm, SimpleNorm, Peri-LN, ...) in JAX/Flax NNX",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["geonorm_jax", "geonorm_jax.*"]),
+    install_requires=[
+        "jax==0.10.2",
+        "jaxlib==0.10.2",
+        "flax==0.12.8",
+        "optax==0.2.8",
+        "orbax-checkpoint==0.12.8",
+        "grain==0.2.18",
+        "ml-collections==1.1.0",
+        "tensorboard==2.21.0",
+        "tensorboardX==2.6.5",
+        "absl-py==2.5.1",
+        "numpy==2.4.6",
+        "scipy==1.17.1",
+        "matplotlib==3.11.2",
+    ],
+    extras_require={
+        # torch 2.13.0 (CPU) is on this machine's disk; pinning it exactly keeps pip from
+        # pulling a multi-GB CUDA build. It is only needed for Hugging Face parity tests.
+        "test": [
+            "pytest==9.2.0",
+            "torch==2.13.0",
+            "transformers==5.24.0",
+            "nbformat",
+            "nbclient",
+            "ipykernel",
+        ],
+    },
+)

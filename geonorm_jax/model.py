@@ -233,7 +233,8 @@ class Transformer(nnx.Module):
       x_BxLxD = self.embed_norm(x_BxLxD)
     radius = placements.get_placement(spec.placement).embedding_radius
     if radius == "rms":
-      x_BxLxD = norms.rms_norm(x_BxLxD, None, spec.norm_eps)  # the sphere of radius sqrt(d)
+      # The sphere of radius sqrt(d), exactly: an eps here would shrink small embeddings.
+      x_BxLxD = norms.l2_normalize(x_BxLxD) * jnp.asarray(math.sqrt(spec.d_model), x_BxLxD.dtype)
     elif radius == "l2":
       x_BxLxD = norms.l2_normalize(x_BxLxD)
     return x_BxLxD

@@ -17,7 +17,9 @@ _SMALL_ANGLE_SQ = 1e-12
 
 
 def _f32(x):
-  return x.astype(jnp.float32)
+  """At least float32 (float64 stays float64, which the finite-difference tests use)."""
+  x = jnp.asarray(x)
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def rms_norm(x, gain=None, eps=1e-5):
@@ -102,7 +104,7 @@ def geodesic_update(x, g, alpha, theta_max=None):
 
 def _geodesic_step(x, v, alpha, theta_max):
   x32, v32 = _f32(x), _f32(v)
-  alpha = jnp.asarray(alpha, jnp.float32)
+  alpha = jnp.asarray(alpha, x32.dtype)
   angle_sq = alpha * alpha * _dot(v32, v32) / _dot(x32, x32)
   cos_coef, v_coef = _geodesic_coefficients(angle_sq, alpha, theta_max)
   return (cos_coef * x32 + v_coef * v32).astype(x.dtype)

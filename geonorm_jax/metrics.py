@@ -194,7 +194,7 @@ def read_scalar_series(
 # ---------------------------------------------------------------------------
 
 _BLOCK_INDEX = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)(?:\.|$)")
-_EMBED_NAMES = re.compile(r"embed|wte|wpe")
+_EMBED_NAMES = re.compile(r"embed|wte|wpe|positions")
 
 
 def path_to_string(path: Sequence[Any]) -> str:
@@ -211,7 +211,7 @@ def path_to_string(path: Sequence[Any]) -> str:
 
 
 def default_layer_of_path(path: str) -> str:
-  """'blocks.3.mlp.kernel' -> 'layer_03'; embeddings -> 'embed'; the rest -> 'head'.
+  """'blocks.3.mlp.kernel' -> 'layer_03'; token/position embeddings -> 'embed'; rest -> 'head'.
 
   A model whose parameters are named differently passes its own function.
   """
@@ -233,9 +233,12 @@ def _sum_of_squares_by_layer(tree, layer_of_path: Callable[[str], str]) -> dict[
   return totals
 
 
-def per_layer_norms(tree, layer_of_path: Callable[[str], str] = default_layer_of_path) -> dict[str, jax.Array]:
+def per_layer_norms(
+    tree, layer_of_path: Callable[[str], str] = default_layer_of_path
+) -> dict[str, jax.Array]:
   """Global L2 norm of each layer's group of leaves, e.g. of the gradient tree."""
-  return {layer: jnp.sqrt(total) for layer, total in _sum_of_squares_by_layer(tree, layer_of_path).items()}
+  sums = _sum_of_squares_by_layer(tree, layer_of_path)
+  return {layer: jnp.sqrt(total) for layer, total in sums.items()}
 
 
 def update_ratio(
@@ -245,11 +248,17 @@ def update_ratio(
   update_norms = per_layer_norms(updates, layer_of_path)
   param_norms = per_layer_norms(params, layer_of_path)
   if update_norms.keys() != param_norms.keys():
-    raise ValueError(f"updates and params group into different layers: {sorted(update_norms)} vs {sorted(param_norms)}")
+    raise ValueError(
+        "updates and params group into different layers:"
+        f" {sorted(update_norms)} vs {sorted(param_norms)}"
+    )
   # A layer whose params are all zero would divide by zero; report a large but
   # finite ratio instead of inf so the scalar still plots.
   tiny = jnp.finfo(jnp.float32).tiny
-  return {layer: update_norms[layer] / jnp.maximum(param_norms[layer], tiny) for layer in update_norms}
+  return {
+      layer: update_norms[layer] / jnp.maximum(param_norms[layer], tiny)
+      for layer in update_norms
+  }
 
 
 def residual_stats(streams: Sequence[jax.Array]) -> dict[str, jax.Array]:
@@ -292,7 +301,8 @@ def geodesic_angle(x_before: jax.Array, x_after: jax.Array) -> jax.Array:
   u = x / jnp.where(x_norm > 0, x_norm, 1.0)
   v = y / jnp.where(y_norm > 0, y_norm, 1.0)
   angle = 2.0 * jnp.arctan2(_safe_norm(u - v), _safe_norm(u + v))
-  return jnp.mean(angle)
+  has_direction = (x_norm > 0) & (y_norm > 0)
+  return jnp.mean(jnp.where(has_direction, angle, 0.0))
 
 
 # ---------------------------------------------------------------------------
@@ -300,7 +310,9 @@ def geodesic_angle(x_before: jax.Array, x_after: jax.Array) -> jax.Array:
 # ---------------------------------------------------------------------------
 
 
-def model_flops_per_token(num_params_non_embedding: int, num_layers: int, d_model: int, seq_len: int) -> float:
+def model_flops_per_token(
+    num_params_non_embedding: int, num_layers: int, d_model: int, seq_len: int
+) -> float:
   """Training FLOPs per token: 6 N + 12 L d T.
 
   6N counts forward (2 FLOPs per multiply-add per weight) plus backward (twice
@@ -313,7 +325,9 @@ def model_flops_per_token(num_params_non_embedding: int, num_layers: int, d_mode
   return 6.0 * num_params_non_embedding + 12.0 * num_layers * d_model * seq_len
 
 
-def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, peak_flops_per_device: float) -> float:
+def mfu(
+    tokens_per_s: float, flops_per_token: float, num_devices: int, peak_flops_per_device: float
+) -> float:
   """Model FLOPs utilisation: achieved model FLOP/s over the hardware peak."""
   return tokens_per_s * flops_per_token / (num_devices * peak_flops_per_device)
 

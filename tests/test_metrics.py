@@ -72,7 +72,8 @@ def test_resume_truncates_jsonl_and_tensorboard(tmp_path):
   steps, values = metrics.read_scalar_series(tmp_path, "loss")
   assert [r["step"] for r in metrics.read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
   np.testing.assert_array_equal(values, [1, 2, 3, 40, 50])
-  assert _tensorboard_scalars(tmp_path, "train/loss") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+  expected = [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+  assert _tensorboard_scalars(tmp_path, "train/loss") == expected
 
 
 def test_non_main_process_writes_nothing(tmp_path):
@@ -96,9 +97,11 @@ def test_residual_stats_match_numpy():
   stats = jax.jit(metrics.residual_stats)([jnp.asarray(s, jnp.bfloat16) for s in streams])
   for index, stream in enumerate(streams):
     as_bf16 = np.asarray(jnp.asarray(stream, jnp.bfloat16), np.float32)
-    assert stats[f"residual_rms/layer_{index:02d}"].dtype == jnp.float32
-    np.testing.assert_allclose(stats[f"residual_rms/layer_{index:02d}"], np.sqrt(np.mean(as_bf16**2)), rtol=1e-6)
-    np.testing.assert_allclose(stats[f"residual_mean_abs/layer_{index:02d}"], np.mean(np.abs(as_bf16)), rtol=1e-6)
+    rms = stats[f"residual_rms/layer_{index:02d}"]
+    mean_abs = stats[f"residual_mean_abs/layer_{index:02d}"]
+    assert rms.dtype == jnp.float32
+    np.testing.assert_allclose(rms, np.sqrt(np.mean(as_bf16**2)), rtol=1e-6)
+    np.testing.assert_allclose(mean_abs, np.mean(np.abs(as_bf16)), rtol=1e-6)
 
 
 def _toy_tree(seed):
@@ -117,6 +120,7 @@ def test_default_layer_of_path():
   assert metrics.default_layer_of_path("blocks.3.attn.kernel") == "layer_03"
   assert metrics.default_layer_of_path("blocks.12.mlp.value") == "layer_12"
   assert metrics.default_layer_of_path("embed.embedding") == "embed"
+  assert metrics.default_layer_of_path("positions.value") == "embed"  # GPT-2 learned positions
   assert metrics.default_layer_of_path("final_norm.scale") == "head"
 
 
@@ -138,7 +142,8 @@ def test_per_layer_norms_and_update_ratio_match_numpy():
   ratios = jax.jit(metrics.update_ratio)(grads, params)
   for layer in norms:
     np.testing.assert_allclose(norms[layer], numpy_norm(grads, layer), rtol=1e-5)
-    np.testing.assert_allclose(ratios[layer], numpy_norm(grads, layer) / numpy_norm(params, layer), rtol=1e-5)
+    expected_ratio = numpy_norm(grads, layer) / numpy_norm(params, layer)
+    np.testing.assert_allclose(ratios[layer], expected_ratio, rtol=1e-5)
 
 
 def _rotated_pair(angle, dim=64, seed=0):
@@ -158,13 +163,16 @@ def test_geodesic_angle_known_angles():
   np.testing.assert_allclose(metrics.geodesic_angle(x, -x), np.pi, rtol=1e-5)
   # In float32 arccos(cos(1e-4)) is 0; the atan2 form must still resolve it.
   small_before, small_after = _rotated_pair(1e-4, seed=1)
-  small = metrics.geodesic_angle(jnp.asarray(small_before, jnp.float32), jnp.asarray(small_after, jnp.float32))
+  small = metrics.geodesic_angle(
+      jnp.asarray(small_before, jnp.float32), jnp.asarray(small_after, jnp.float32)
+  )
   np.testing.assert_allclose(small, 1e-4, rtol=1e-2)
 
 
 def test_geodesic_angle_nan_free_for_identical_vectors():
   x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 16)), jnp.float32)
-  value, (grad_before, grad_after) = jax.value_and_grad(metrics.geodesic_angle, argnums=(0, 1))(x, x)
+  value_and_grads = jax.value_and_grad(metrics.geodesic_angle, argnums=(0, 1))
+  value, (grad_before, grad_after) = value_and_grads(x, x)
   assert float(value) == 0.0
   assert np.all(np.isfinite(grad_before)) and np.all(np.isfinite(grad_after))
   zero_value, zero_grad = jax.value_and_grad(metrics.geodesic_angle)(jnp.zeros((3, 16)), x[:3])

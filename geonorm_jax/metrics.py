@@ -198,9 +198,14 @@ _EMBED_NAMES = re.compile(r"embed|wte|wpe|positions")
 
 
 def path_to_string(path: Sequence[Any]) -> str:
-  """Dotted name of a pytree key path: ('blocks', 3, 'attn', 'kernel') -> 'blocks.3.attn.kernel'."""
+  """Dotted name of a pytree key path: ('blocks', 3, 'attn', 'kernel') -> 'blocks.3.attn.kernel'.
+
+  The `.value` attribute through which an nnx.Variable flattens is left out.
+  """
   parts = []
   for key in path:
+    if getattr(key, "name", None) == "value":
+      continue
     for attribute in ("key", "name", "idx"):  # DictKey / GetAttrKey / SequenceKey
       if hasattr(key, attribute):
         parts.append(str(getattr(key, attribute)))

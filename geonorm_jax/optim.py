@@ -1,0 +1,100 @@
+"""The optimizer: global-norm clipping -> AdamW (decay on matrices only) -> LR schedule,
+with per-parameter-group LR multipliers chosen by regular expressions on parameter paths."""
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from geonorm_jax import metrics
+
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+def learning_rate_schedule(train_config):
+  """Linear warmup, then cosine to min_lr_ratio*lr, warmup-stable-decay, or constant."""
+  c = train_config
+  if c.schedule not in SCHEDULES:
+    raise ValueError(f"train.schedule={c.schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
+  if c.warmup_steps < 0 or c.warmup_steps > c.steps:
+    raise ValueError(f"train.warmup_steps={c.warmup_steps} must lie in [0, train.steps={c.steps}]")
+  warmup = optax.linear_schedule(0.0, c.lr, max(c.warmup_steps, 1))
+  remaining = max(c.steps - c.warmup_steps, 1)
+  floor = c.lr * c.min_lr_ratio
+  if c.schedule == "cosine":
+    after = optax.cosine_decay_schedule(c.lr, remaining, alpha=c.min_lr_ratio)
+  elif c.schedule == "wsd":
+    decay_steps = max(int(round(c.decay_fraction * c.steps)), 1)
+    stable = max(remaining - decay_steps, 0)
+    after = optax.join_schedules(
+        [optax.constant_schedule(c.lr), optax.linear_schedule(c.lr, floor, decay_steps)], [stable])
+  else:
+    after = optax.constant_schedule(c.lr)
+  return optax.join_schedules([warmup, after], [c.warmup_steps])
+
+
+def _decays(path, decay_embeddings):
+  """Weight decay on matrices; never on gains, biases, DyT/nGPT scales; embeddings as asked."""
+  last = path.split(".")[-1]
+  if last in ("embed", "positions"):
+    return decay_embeddings
+  return last in ("kernel", "head")
+
+
+def parse_multipliers(text):
+  pairs = []
+  for item in filter(None, (t.strip() for t in text.split(","))):
+    pattern, sep, value = item.rpartition("=")
+    if not sep:
+      raise ValueError(f"train.lr_multipliers item {item!r} is not regex=multiplier")
+    try:
+      pairs.append((re.compile(pattern), float(value)))
+    except (re.error, ValueError) as e:
+      raise ValueError(f"train.lr_multipliers item {item!r}: {e}") from None
+  return pairs
+
+
+def _leaf_map(fn, params):
+  """fn(path string) for every array of params, keeping the params' structure."""
+  return jax.tree_util.tree_map_with_path(lambda p, _: fn(metrics.path_to_string(p)), params)
+
+
+def multiplier_tree(params, text):
+  """LR multiplier per leaf: the first matching regex (re.search on the path) wins, else 1."""
+  pairs = parse_multipliers(text)
+
+  def multiplier(path):
+    for pattern, value in pairs:
+      if pattern.search(path):
+        return value
+    return 1.0
+  return _leaf_map(multiplier, params)
+
+
+def scale_by_tree(multipliers):
+  """Multiply each update by a fixed per-leaf number (an LR multiplier after the schedule)."""
+  def init(params):
+    del params
+    return optax.EmptyState()
+
+  def update(updates, state, params=None):
+    del params
+    return jax.tree.map(lambda u, m: u * jnp.asarray(m, u.dtype), updates, multipliers), state
+  return optax.GradientTransformation(init, update)
+
+
+def make_optimizer(train_config, params):
+  c = train_config
+  for field in ("lr", "steps"):
+    if getattr(c, field) <= 0:
+      raise ValueError(f"train.{field}={getattr(c, field)} must be positive")
+  schedule = learning_rate_schedule(c)
+  decay_mask = _leaf_map(lambda path: _decays(path, c.decay_embeddings), params)
+  parts = []
+  if c.clip_norm > 0:
+    parts.append(optax.clip_by_global_norm(c.clip_norm))
+  parts.append(optax.adamw(schedule, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay,
+                           mask=decay_mask))
+  if c.lr_multipliers:
+    parts.append(scale_by_tree(multiplier_tree(params, c.lr_multipliers)))
+  return optax.chain(*parts), schedule

@@ -1,0 +1,347 @@
+"""Training: a sharded, jitted train step and the loop around it.
+
+The state is a plain dict {step, params, opt_state} of arrays (params as an nnx.State), laid
+out over the mesh by sharding.py and updated by one `jax.jit` with donated buffers. The loop
+never blocks on the device: step t-1's metrics are read after step t is dispatched.
+"""
+import dataclasses
+import json
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from geonorm_jax import checkpoint as checkpoint_lib
+from geonorm_jax import data as data_lib
+from geonorm_jax import init_rules, losses, metrics, optim, placements
+from geonorm_jax import model as model_lib
+from geonorm_jax import sharding as sharding_lib
+from geonorm_jax import spec as spec_lib
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything that follows from a config before any array is allocated."""
+  config: object
+  spec: spec_lib.ModelSpec
+  mesh: jax.sharding.Mesh
+  rules: dict
+  graphdef: object
+  abstract_state: dict
+  state_shardings: dict
+  batch_sharding: jax.sharding.NamedSharding
+  optimizer: optax.GradientTransformation
+  schedule: object
+
+
+def validate(config):
+  """Every config error, before any compilation: model, optimizer, mesh and data."""
+  spec = spec_lib.resolve(config.model)
+  optim.learning_rate_schedule(config.train)
+  optim.parse_multipliers(config.train.lr_multipliers)
+  rules = sharding_lib.parse_rules(config.mesh.rules)
+  mesh_sizes = dict(zip(sharding_lib.MESH_AXES,
+                        sharding_lib.mesh_shape(config.mesh, jax.device_count())))
+  dp = int(np.prod([mesh_sizes[a] for a in sharding_lib._as_tuple(rules["batch"])]))
+  train = config.train
+  for field in ("steps", "grad_accum", "eval_every", "eval_batches", "log_every"):
+    if getattr(train, field) <= 0:
+      raise ValueError(f"train.{field}={getattr(train, field)} must be positive")
+  micro = config.data.batch_size // max(train.grad_accum, 1)
+  if config.data.batch_size % train.grad_accum or micro % dp:
+    raise ValueError(f"data.batch_size={config.data.batch_size} must split into "
+                     f"train.grad_accum={train.grad_accum} micro-batches, each divisible by the "
+                     f"data-parallel size {dp} (mesh.data x mesh.fsdp)")
+  if config.data.seq_len > config.model.max_seq_len:
+    raise ValueError(f"data.seq_len={config.data.seq_len} is longer than "
+                     f"model.max_seq_len={config.model.max_seq_len}")
+  data_lib.validate_data_config(config, process_count=jax.process_count(), data_parallel_size=dp)
+  return spec
+
+
+def make_setup(config, devices=None):
+  spec = validate(config)
+  mesh = sharding_lib.make_mesh(config.mesh, devices)
+  rules = sharding_lib.parse_rules(config.mesh.rules)
+  graphdef, abstract_params = model_lib.abstract_params(spec)
+  optimizer, schedule = optim.make_optimizer(config.train, abstract_params)
+  abstract_state = {
+      "step": jax.ShapeDtypeStruct((), jnp.int32),
+      "params": abstract_params,
+      "opt_state": jax.eval_shape(optimizer.init, abstract_params),
+  }
+  state_shardings = sharding_lib.tree_shardings(abstract_state, mesh, rules)
+  batch_sharding = sharding_lib.batch_sharding(mesh, rules, ndim=3, batch_dim=1)
+  return Setup(config, spec, mesh, rules, graphdef, abstract_state, state_shardings,
+               batch_sharding, optimizer, schedule)
+
+
+def init_state(setup, seed=None):
+  """Parameters and optimizer state created directly in their shardings (no host copy)."""
+  seed = setup.config.seed if seed is None else seed
+
+  def init():
+    params = nnx.state(model_lib.build(setup.spec, seed=seed))
+    return {"step": jnp.zeros((), jnp.int32), "params": params,
+            "opt_state": setup.optimizer.init(params)}
+  return jax.jit(init, out_shardings=setup.state_shardings)()
+
+
+def _loss(graphdef, params, tokens_BxL1):
+  return losses.lm_loss(nnx.merge(graphdef, params), tokens_BxL1)
+
+
+def _accumulated_grads(graphdef, params, tokens_AxBxL1):
+  """Mean loss and gradient over the A micro-batches, accumulated in a lax.scan."""
+  grad_fn = jax.value_and_grad(lambda p, t: _loss(graphdef, p, t))
+  if tokens_AxBxL1.shape[0] == 1:
+    return grad_fn(params, tokens_AxBxL1[0])
+
+  def body(carry, tokens_BxL1):
+    loss_sum, grad_sum = carry
+    loss, grads = grad_fn(params, tokens_BxL1)
+    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros(()), zeros), tokens_AxBxL1)
+  count = tokens_AxBxL1.shape[0]
+  return loss_sum / count, jax.tree.map(lambda g: g / count, grad_sum)
+
+
+def make_train_step(setup):
+  """jit(state, tokens_AxBxL1) -> (state, metrics), state donated, shardings pinned."""
+  graphdef, optimizer, schedule = setup.graphdef, setup.optimizer, setup.schedule
+  is_ngpt = placements.get_placement(setup.spec.placement).is_ngpt
+  with_layer_stats = setup.config.train.layer_stats_every > 0
+
+  def train_step(state, tokens_AxBxL1):
+    params = state["params"]
+    loss, grads = _accumulated_grads(graphdef, params, tokens_AxBxL1)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+    new_params = optax.apply_updates(params, updates)
+    if is_ngpt:
+      new_params = init_rules.normalize_ngpt_weights(new_params)
+    step_metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+                    "lr": schedule(state["step"])}
+    if with_layer_stats:
+      for layer, value in metrics.per_layer_norms(grads).items():
+        step_metrics[f"grad_norm/{layer}"] = value
+      for layer, value in metrics.update_ratio(updates, params).items():
+        step_metrics[f"update_ratio/{layer}"] = value
+    return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, step_metrics
+
+  return jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_sharding),
+                 out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+
+def make_eval_step(setup):
+  """jit(params, tokens_AxBxL1) -> mean loss over the batch."""
+  graphdef = setup.graphdef
+  return jax.jit(lambda params, tokens: _loss(graphdef, params, tokens[0]),
+                 in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
+
+
+def make_stream_stats(setup):
+  """jit(params, tokens) -> residual RMS / mean |x| per layer and the angle each block turns."""
+  graphdef = setup.graphdef
+
+  def stats(params, tokens_AxBxL1):
+    _, streams = nnx.merge(graphdef, params)(tokens_AxBxL1[0, :, :-1], return_streams=True)
+    out = metrics.residual_stats(streams)
+    for index in range(len(streams) - 1):
+      out[f"stream_angle/layer_{index:02d}"] = metrics.geodesic_angle(streams[index],
+                                                                      streams[index + 1])
+    return out
+  return jax.jit(stats, in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
+
+
+def global_batch(setup, local_batch):
+  """This process's rows -> one global (A, B/A, L+1) array sharded over the replica axes."""
+  tokens = np.asarray(local_batch["tokens"], np.int32)
+  accum = setup.config.train.grad_accum
+  local = tokens.reshape(accum, tokens.shape[0] // accum, tokens.shape[1])
+  global_shape = (accum, setup.config.data.batch_size // accum, tokens.shape[1])
+  return jax.make_array_from_process_local_data(setup.batch_sharding, local, global_shape)
+
+
+def flops_per_token(spec, seq_len):
+  _, params = model_lib.abstract_params(spec)
+  embedding = spec.vocab_size * spec.d_model + (spec.max_seq_len * spec.d_model
+                                                if spec.backbone == "gpt2" else 0)
+  return metrics.model_flops_per_token(model_lib.count_params(params) - embedding,
+                                       spec.num_layers, spec.d_model, seq_len)
+
+
+def _evaluate(setup, eval_step, params, eval_arrays):
+  return float(np.mean([float(eval_step(params, batch)) for batch in eval_arrays]))
+
+
+def _resolved_config_text(config):
+  return json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str)
+
+
+class _Run:
+  """The loop's bookkeeping: throughput window, pending metrics, last values."""
+
+  def __init__(self, start_step):
+    self.window_start = time.perf_counter()
+    self.window_steps = 0
+    self.tokens_per_s = float("nan")
+    self.last_train_loss = float("nan")
+    self.last_eval_loss = float("nan")
+    self.start_step = start_step
+
+
+def train(config, workdir):
+  """Train (resuming from workdir's latest checkpoint) and return a summary dict."""
+  sharding_lib.maybe_initialize_distributed(config.mesh)
+  checkpoint_lib.check_writable(workdir)
+  setup = make_setup(config)
+  fingerprint = checkpoint_lib.config_fingerprint(config)
+  ckpt = checkpoint_lib.Checkpointer(workdir, config.checkpoint, fingerprint)
+  latest = ckpt.latest_step()
+  if latest is not None:
+    ckpt.check_compatible(latest, fingerprint)  # before anything is written to workdir
+  checkpoint_lib.save_config_json(workdir, config)
+  writer = metrics.MetricsWriter(workdir)
+  writer.write_text("config", _resolved_config_text(config))
+
+  train_iter = data_lib.make_train_iterator(config, data_parallel_size=sharding_lib
+                                            .data_parallel_size(setup.mesh, setup.rules))
+  if latest is None:
+    state = init_state(setup)
+  else:
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            setup.abstract_state, setup.state_shardings)
+    state, data_state = ckpt.restore(latest, abstract)
+    train_iter.set_state(data_state)
+    writer.truncate_after(latest)
+  start = int(state["step"])
+
+  train_step = make_train_step(setup)
+  eval_step = make_eval_step(setup)
+  stream_stats = make_stream_stats(setup) if config.train.layer_stats_every > 0 else None
+  dp = sharding_lib.data_parallel_size(setup.mesh, setup.rules)
+  eval_arrays = [global_batch(setup, b)
+                 for b in data_lib.make_eval_batches(config, data_parallel_size=dp)]
+  tokens_per_step = config.data.batch_size * config.data.seq_len
+  flops = flops_per_token(setup.spec, config.data.seq_len)
+  peak = metrics.device_peak_flops(jax.devices()[0].device_kind, config.model.dtype,
+                                   config.train.peak_flops)
+  bar = metrics.ProgressBar(config.train.steps, start_step=start,
+                            enabled=config.train.progress_bar and jax.process_index() == 0)
+  ckpt.install_sigterm_handler()
+  run = _Run(start)
+  pending = None
+  started = time.perf_counter()
+
+  def log_train(step, step_metrics):
+    values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+    run.last_train_loss = values["loss"]
+    bar.update(step, values["loss"])
+    if step % config.train.log_every == 0 or step == config.train.steps:
+      now = time.perf_counter()
+      if run.window_steps:
+        run.tokens_per_s = run.window_steps * tokens_per_step / (now - run.window_start)
+      run.window_start, run.window_steps = now, 0
+      values["tokens_per_s"] = run.tokens_per_s
+      values["mfu"] = metrics.mfu(run.tokens_per_s, flops, jax.device_count(), peak)
+      writer.write_scalars(step, values)
+
+  try:
+    for step in range(start + 1, config.train.steps + 1):
+      tokens = global_batch(setup, next(train_iter))
+      if stream_stats is not None and (step - 1) % config.train.layer_stats_every == 0:
+        writer.write_scalars(step - 1, jax.device_get(stream_stats(state["params"], tokens)),
+                             split="layers")
+      state, step_metrics = train_step(state, tokens)
+      if pending is not None:
+        log_train(*pending)  # step t-1's numbers, read while step t runs
+      pending = (step, step_metrics)
+      run.window_steps += 1
+      if step % config.train.eval_every == 0 or step == config.train.steps:
+        log_train(*pending)
+        pending = None
+        run.last_eval_loss = _evaluate(setup, eval_step, state["params"], eval_arrays)
+        writer.write_scalars(step, {"loss": run.last_eval_loss}, split="eval")
+        run.window_start = time.perf_counter()  # keep eval time out of tokens/s
+      ckpt.save(step, state, train_iter.get_state(), force=step == config.train.steps)
+      if ckpt.preempted and ckpt.any_process_preempted():
+        ckpt.save(step, state, train_iter.get_state(), force=True)
+        break
+    if pending is not None:
+      log_train(*pending)
+  finally:
+    bar.close()
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+  final_step = int(state["step"])
+  summary = {"final_step": final_step, "final_train_loss": run.last_train_loss,
+             "final_eval_loss": run.last_eval_loss, "tokens_per_s": run.tokens_per_s,
+             "wall_s": time.perf_counter() - started, "preempted": bool(ckpt.preempted)}
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+  return summary
+
+
+def _config_from_workdir(workdir):
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  path = os.path.join(workdir, checkpoint_lib.CONFIG_FILENAME)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: is {workdir} a training run's workdir?")
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def restore_params(workdir, step=None, config=None):
+  """(config, setup, params) of a checkpoint; the config comes from workdir/config.json."""
+  config = _config_from_workdir(workdir) if config is None else config
+  setup = make_setup(config)
+  ckpt = checkpoint_lib.Checkpointer(workdir, config.checkpoint,
+                                     checkpoint_lib.config_fingerprint(config))
+  abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          setup.abstract_state, setup.state_shardings)
+  try:
+    state, _ = ckpt.restore(step, abstract)
+  finally:
+    ckpt.close()
+  return config, setup, state
+
+
+def load_model(workdir, step=None):
+  """(config, NNX model) restored from a checkpoint."""
+  config, setup, state = restore_params(workdir, step)
+  return config, nnx.merge(setup.graphdef, state["params"])
+
+
+def evaluate(config, workdir, step=None):
+  """Validation loss of a saved checkpoint on the fixed validation batches."""
+  config, setup, state = restore_params(workdir, step, config)
+  dp = sharding_lib.data_parallel_size(setup.mesh, setup.rules)
+  eval_arrays = [global_batch(setup, b)
+                 for b in data_lib.make_eval_batches(config, data_parallel_size=dp)]
+  loss = _evaluate(setup, make_eval_step(setup), state["params"], eval_arrays)
+  return {"step": int(state["step"]), "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50))}
+
+
+def benchmark_tokens_per_s(config, steps):
+  """Training tokens/s of `config` over `steps` steps after a warm-up step (for benchmarks)."""
+  setup = make_setup(config)
+  state = init_state(setup)
+  step_fn = make_train_step(setup)
+  it = data_lib.make_train_iterator(config)
+  state, _ = step_fn(state, global_batch(setup, next(it)))
+  jax.block_until_ready(state)
+  batches = [global_batch(setup, next(it)) for _ in range(steps)]
+  start = time.perf_counter()
+  for tokens in batches:
+    state, _ = step_fn(state, tokens)
+  jax.block_until_ready(state)
+  return steps * config.data.batch_size * config.data.seq_len / (time.perf_counter() - start)

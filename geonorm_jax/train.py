@@ -39,14 +39,14 @@ class Setup:
   schedule: object
 
 
-def validate(config):
+def validate(config, num_devices=None):
   """Every config error, before any compilation: model, optimizer, mesh and data."""
   spec = spec_lib.resolve(config.model)
   optim.learning_rate_schedule(config.train)
   optim.parse_multipliers(config.train.lr_multipliers)
   rules = sharding_lib.parse_rules(config.mesh.rules)
   mesh_sizes = dict(zip(sharding_lib.MESH_AXES,
-                        sharding_lib.mesh_shape(config.mesh, jax.device_count())))
+                        sharding_lib.mesh_shape(config.mesh, num_devices or jax.device_count())))
   dp = int(np.prod([mesh_sizes[a] for a in sharding_lib._as_tuple(rules["batch"])]))
   train = config.train
   for field in ("steps", "grad_accum", "eval_every", "eval_batches", "log_every"):
@@ -65,7 +65,7 @@ def validate(config):
 
 
 def make_setup(config, devices=None):
-  spec = validate(config)
+  spec = validate(config, None if devices is None else len(devices))
   mesh = sharding_lib.make_mesh(config.mesh, devices)
   rules = sharding_lib.parse_rules(config.mesh.rules)
   graphdef, abstract_params = model_lib.abstract_params(spec)

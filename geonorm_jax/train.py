@@ -185,6 +185,9 @@ def _resolved_config_text(config):
   return json.dumps(config.to_dict(), indent=2, sort_keys=True, default=str)
 
 
+_PREEMPTION_POLL_STEPS = 10  # multi-process: a device all-gather, so not every step
+
+
 class _Run:
   """The loop's bookkeeping: throughput window, pending metrics, last values."""
 
@@ -206,7 +209,11 @@ def train(config, workdir):
   ckpt = checkpoint_lib.Checkpointer(workdir, config.checkpoint, fingerprint)
   latest = ckpt.latest_step()
   if latest is not None:
-    ckpt.check_compatible(latest, fingerprint)  # before anything is written to workdir
+    try:
+      ckpt.check_compatible(latest, fingerprint)  # before anything is written to workdir
+    except BaseException:
+      ckpt.close()
+      raise
   checkpoint_lib.save_config_json(workdir, config)
   writer = metrics.MetricsWriter(workdir)
   writer.write_text("config", _resolved_config_text(config))
@@ -271,7 +278,9 @@ def train(config, workdir):
         writer.write_scalars(step, {"loss": run.last_eval_loss}, split="eval")
         run.window_start = time.perf_counter()  # keep eval time out of tokens/s
       ckpt.save(step, state, train_iter.get_state(), force=step == config.train.steps)
-      if ckpt.preempted and ckpt.any_process_preempted():
+      # Every process must join the all-gather at the same steps, or the others hang.
+      poll = jax.process_count() == 1 or step % _PREEMPTION_POLL_STEPS == 0
+      if poll and ckpt.any_process_preempted():
         ckpt.save(step, state, train_iter.get_state(), force=True)
         break
     if pending is not None:

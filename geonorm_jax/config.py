@@ -1,7 +1,7 @@
 """The one base config: every key any part of geonorm_jax reads is declared here.
 
-Presets live in `configs/presets.py`; command-line files (`configs/tiny.py`, ...) call
-`get_config(arg)` on top of this. Nothing in the code uses `config.get(...)` with a default:
+Sizes live in SIZES below and `get_config(arg)` applies them; the command-line files in
+configs/ (`configs/tiny.py`, ...) call it. Nothing in the code uses `config.get(...)` with a default:
 if a key is missing here, that is a bug.
 """
 import ml_collections
@@ -40,6 +40,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   model.geo_counter = "blocks"  # blocks (k=l) | sublayers (k=1..2T)
   model.geo_theta_max = 0.0  # clamp on the geodesic angle; 0 = none
   model.geo_sublayer_input = "norm"  # norm: F reads N(x) | raw: F reads x
+  model.geo_radius = "sqrt_d"  # sqrt_d: embedding put on the sqrt(d) sphere | embedding: keep |e|
   # Mix-LN, nGPT, DyT
   model.mixln_fraction = 0.25
   model.ngpt_alpha_init = 0.05
@@ -181,4 +182,20 @@ def get_config(arg=None):
       getattr(config, section)[name] = _parse_value(value, getattr(config, section)[name])
     except ValueError as e:
       raise ValueError(f"config {section}.{name}={value!r}: {e}") from None
+  return config
+
+
+def from_dict(saved):
+  """A saved run's config (config.json) laid over the base, so keys added since get defaults."""
+  config = get_base_config()
+  for section, values in saved.items():
+    if section not in config:
+      raise ValueError(f"saved config has an unknown section {section!r}")
+    if isinstance(values, dict):
+      for key, value in values.items():
+        if key not in config[section]:
+          raise ValueError(f"saved config has an unknown key {section}.{key}")
+        config[section][key] = value
+    else:
+      config[section] = values
   return config

@@ -86,7 +86,7 @@ def _gpt2_encoding():
         "TIKTOKEN_CACHE_DIR.") from e
 
 
-def _encode_text(text: str, tokenizer: str) -> np.ndarray:
+def encode_text(text: str, tokenizer: str) -> np.ndarray:
   if tokenizer == "byte":
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
   # encode_ordinary: a literal "<|endoftext|>" in a corpus is text, not a special token.
@@ -239,7 +239,7 @@ def _text_tokens(paths: Sequence[str], tokenizer: str, field: str) -> np.ndarray
       texts.append(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
       raise ValueError(f"{field}: {path!r} is not UTF-8 text ({e})") from e
-  return _encode_text("".join(texts), tokenizer)
+  return encode_text("".join(texts), tokenizer)
 
 
 def _nanogpt_file(path: str, field: str) -> _TokenFile:
@@ -355,7 +355,7 @@ def _load_token_streams_cached(source, path, val_path, tokenizer, val_fraction, 
     if tokenizer != "byte":
       raise ValueError(f"data.source='builtin' is byte-level; data.tokenizer={tokenizer!r} "
                        "must be 'byte'")
-    tokens = _encode_text(_builtin_text(), "byte")
+    tokens = encode_text(_builtin_text(), "byte")
     name = "data.source='builtin' corpus"
   else:
     tokens = _read_source(source, path, tokenizer, "data.path")

@@ -232,7 +232,7 @@ class Transformer(nnx.Module):
     if self.embed_norm is not None:
       x_BxLxD = self.embed_norm(x_BxLxD)
     radius = placements.get_placement(spec.placement).embedding_radius
-    if radius == "rms":
+    if radius == "rms" and spec.geo_radius == "sqrt_d":
       # The sphere of radius sqrt(d), exactly: an eps here would shrink small embeddings.
       x_BxLxD = norms.l2_normalize(x_BxLxD) * jnp.asarray(math.sqrt(spec.d_model), x_BxLxD.dtype)
     elif radius == "l2":

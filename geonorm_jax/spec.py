@@ -12,6 +12,7 @@ NORM_KINDS = ("layernorm", "rmsnorm")
 DTYPES = ("float32", "bfloat16", "float16")
 GEO_COUNTERS = ("blocks", "sublayers")
 GEO_INPUTS = ("norm", "raw")
+GEO_RADII = ("sqrt_d", "embedding")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,7 @@ class ModelSpec:
   geo_counter: str
   geo_theta_max: float
   geo_sublayer_input: str
+  geo_radius: str
   mixln_fraction: float
   ngpt_alpha_init: float
   dyt_alpha_init: float
@@ -115,6 +117,7 @@ def resolve(model_config):
   _choice("geo_schedule", c.geo_schedule, norms.SCHEDULES)
   _choice("geo_counter", c.geo_counter, GEO_COUNTERS)
   _choice("geo_sublayer_input", c.geo_sublayer_input, GEO_INPUTS)
+  _choice("geo_radius", c.geo_radius, GEO_RADII)
   _choice("dtype", c.dtype, DTYPES)
   if not 0.0 <= c.mixln_fraction <= 1.0:
     raise ValueError(f"model.mixln_fraction={c.mixln_fraction} must lie in [0, 1]")
@@ -141,5 +144,6 @@ def resolve(model_config):
       embed_norm=bool(c.embed_norm), init_std=float(c.init_std), dtype=c.dtype,
       remat=bool(c.remat), geo_alpha=float(c.geo_alpha), geo_schedule=c.geo_schedule,
       geo_counter=c.geo_counter, geo_theta_max=float(c.geo_theta_max),
-      geo_sublayer_input=c.geo_sublayer_input, mixln_fraction=float(c.mixln_fraction),
+      geo_sublayer_input=c.geo_sublayer_input, geo_radius=c.geo_radius,
+      mixln_fraction=float(c.mixln_fraction),
       ngpt_alpha_init=float(c.ngpt_alpha_init), dyt_alpha_init=float(c.dyt_alpha_init))

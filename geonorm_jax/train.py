@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from geonorm_jax import checkpoint as checkpoint_lib
+from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
 from geonorm_jax import init_rules, losses, metrics, optim, placements
 from geonorm_jax import model as model_lib
@@ -301,12 +302,11 @@ def train(config, workdir):
 
 
 def _config_from_workdir(workdir):
-  import ml_collections  # pylint: disable=g-import-not-at-top
   path = os.path.join(workdir, checkpoint_lib.CONFIG_FILENAME)
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} not found: is {workdir} a training run's workdir?")
   with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+    return config_lib.from_dict(json.load(f))
 
 
 def restore_params(workdir, step=None, config=None):

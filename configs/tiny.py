@@ -1,0 +1,15 @@
+"""The tiny model (4 layers, d_model 128, byte tokens) on the built-in corpus: a 2-core CPU run.
+
+    python -m geonorm_jax train --config=configs/tiny.py --workdir=/tmp/tiny
+    python -m geonorm_jax train --config=configs/tiny.py:placement=geonorm --workdir=/tmp/tiny_geo
+    python -m geonorm_jax sample --workdir=/tmp/tiny --prompt="The "
+
+ARG is a geonorm_jax.config preset string on top of `tiny`, e.g. "placement=peri,dt=0.1".
+200 steps of batch 16 x 128 bytes of CPython's documentation (`pydoc_data.topics`).
+Expected result: see README/results.
+"""
+from geonorm_jax import config as config_lib
+
+
+def get_config(arg=None):
+  return config_lib.get_config(",".join(filter(None, ["tiny", arg])))

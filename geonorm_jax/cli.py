@@ -1,0 +1,156 @@
+"""geonorm_jax: train, evaluate, sample and analyse Transformers with different norm placements.
+
+Usage:
+  python -m geonorm_jax <command> --workdir=DIR [--config=configs/FILE.py[:ARG]] [flags]
+
+Commands:
+  train    Train the model of --config in --workdir, resuming from its latest checkpoint.
+           Writes metrics.jsonl, tensorboard events, checkpoints and config.json there.
+           Override any config key: --config.model.placement=geonorm --config.train.steps=50
+  eval     Validation loss of a checkpoint (--step, default the latest). Uses --config when
+           given (e.g. to evaluate on other data), else the run's saved config.json.
+  sample   Generate text from a checkpoint: --prompt, --num_tokens, --temperature, --top_k,
+           --seed, --step. Reads the run's config.json; prints the decoded text.
+  hessian  Hessian spectrum of a checkpoint (geonorm_jax.hessian_cli; --step).
+  main     The README's main job: GeoNorm (harmonic) vs Pre-LN on the built-in corpus,
+           tiny model, both runs under --workdir, then loss_curves.png, summary.md and a
+           sample from the better run.
+
+Examples:
+  python -m geonorm_jax train --config=configs/tiny.py --workdir=/tmp/tiny
+  python -m geonorm_jax train --config=configs/tiny.py:placement=geonorm --workdir=/tmp/geo \\
+      --config.train.steps=100
+  python -m geonorm_jax sample --workdir=/tmp/tiny --prompt="The " --num_tokens=200
+  python -m geonorm_jax main --workdir=runs/main
+
+Config files live in configs/; each one's docstring gives its exact command.
+"""
+import importlib
+import importlib.util
+import json
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+COMMANDS = ("train", "eval", "sample", "hessian", "main")
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file, `configs/FILE.py` or `configs/FILE.py:ARG`; override keys "
+    "with --config.SECTION.KEY=VALUE.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, config.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step for eval/sample/hessian; "
+                             "default the latest.")
+_PROMPT = flags.DEFINE_string("prompt", "The ", "sample: text to continue.")
+_NUM_TOKENS = flags.DEFINE_integer("num_tokens", None, "sample: tokens to generate; "
+                                   "default config.train.sample_tokens.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "sample: softmax temperature; 0 = greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "sample: keep only the k likeliest tokens; 0 = all.")
+_SEED = flags.DEFINE_integer("seed", 0, "sample: random seed.")
+
+
+class CommandError(Exception):
+  """A mistake in the command line or config, reported as one line instead of a traceback."""
+
+
+def _require_workdir():
+  if not _WORKDIR.value:
+    raise CommandError("--workdir is required")
+  return _WORKDIR.value
+
+
+def _require_config(command):
+  if _CONFIG.value is None:
+    raise CommandError(f"`{command}` needs --config=configs/FILE.py[:ARG]")
+  return _CONFIG.value
+
+
+def _validate(config):
+  """Config errors as a CommandError naming the field, before anything is compiled."""
+  from geonorm_jax import train  # pylint: disable=g-import-not-at-top
+  try:
+    train.validate(config)
+  except (ValueError, FileNotFoundError) as e:
+    raise CommandError(str(e)) from None
+
+
+def _print_json(result):
+  print(json.dumps(result, indent=2, sort_keys=True, default=str))
+
+
+def run_train():
+  from geonorm_jax import train  # pylint: disable=g-import-not-at-top
+  config = _require_config("train")
+  workdir = _require_workdir()
+  _validate(config)
+  _print_json(train.train(config, workdir))
+
+
+def run_eval():
+  from geonorm_jax import train  # pylint: disable=g-import-not-at-top
+  workdir = _require_workdir()
+  config = _CONFIG.value
+  if config is not None:
+    _validate(config)
+  try:
+    result = train.evaluate(config, workdir, step=_STEP.value)
+  except FileNotFoundError as e:  # not a run folder, or no checkpoint yet
+    raise CommandError(str(e)) from None
+  _print_json(result)
+
+
+def run_sample():
+  from geonorm_jax import sample, train  # pylint: disable=g-import-not-at-top
+  workdir = _require_workdir()
+  try:
+    config, model = train.load_model(workdir, step=_STEP.value)
+  except FileNotFoundError as e:  # not a run folder, or no checkpoint yet
+    raise CommandError(str(e)) from None
+  num_tokens = config.train.sample_tokens if _NUM_TOKENS.value is None else _NUM_TOKENS.value
+  try:
+    text = sample.generate_text(model, config, _PROMPT.value, num_tokens,
+                                temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+                                seed=_SEED.value)
+  except ValueError as e:  # an empty prompt, a bad temperature or top_k
+    raise CommandError(str(e)) from None
+  print(_PROMPT.value + text)
+
+
+def run_hessian():
+  workdir = _require_workdir()
+  if importlib.util.find_spec("geonorm_jax.hessian_cli") is None:
+    raise CommandError("`hessian` needs geonorm_jax/hessian_cli.py, which this checkout does "
+                       "not have; the library functions are in geonorm_jax.hessian")
+  hessian_cli = importlib.import_module("geonorm_jax.hessian_cli")
+  result = hessian_cli.run(workdir, _STEP.value)
+  if result is not None:
+    _print_json(result)
+
+
+def run_main():
+  from geonorm_jax import main_job  # pylint: disable=g-import-not-at-top
+  main_job.run(_require_workdir())
+
+
+_RUNNERS = {"train": run_train, "eval": run_eval, "sample": run_sample,
+            "hessian": run_hessian, "main": run_main}
+
+
+def main(argv):
+  commands = argv[1:]
+  if len(commands) != 1 or commands[0] not in _RUNNERS:
+    raise app.UsageError(f"give exactly one command, one of: {', '.join(COMMANDS)} "
+                         f"(got {' '.join(commands) or 'none'})")
+  if not flags.FLAGS["verbosity"].present:
+    # Orbax logs every checkpoint save and restore at INFO, which buries the progress bar;
+    # -v 0 (or --verbosity=0) brings those lines back.
+    logging.set_verbosity(logging.WARNING)
+  try:
+    _RUNNERS[commands[0]]()
+  except CommandError as e:
+    print(f"geonorm_jax {commands[0]}: error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run():
+  app.run(main)

@@ -133,5 +133,9 @@ def batch_sharding(mesh, rules, ndim, batch_dim=0):
   return NamedSharding(mesh, PartitionSpec(*spec))
 
 
-def data_parallel_size(mesh, rules):
-  return int(np.prod([mesh.shape[a] for a in _as_tuple(rules.get("batch"))]))
+def data_parallel_size(axis_sizes, rules):
+  """How many ways the batch is split: the product of the mesh axes `batch` maps to.
+
+  `axis_sizes` is `mesh.shape` or any {axis name: size} mapping (before a mesh exists).
+  """
+  return int(np.prod([axis_sizes[a] for a in _as_tuple(rules.get("batch"))]))

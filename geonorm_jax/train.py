@@ -48,7 +48,7 @@ def validate(config, num_devices=None):
   rules = sharding_lib.parse_rules(config.mesh.rules)
   mesh_sizes = dict(zip(sharding_lib.MESH_AXES,
                         sharding_lib.mesh_shape(config.mesh, num_devices or jax.device_count())))
-  dp = int(np.prod([mesh_sizes[a] for a in sharding_lib._as_tuple(rules["batch"])]))
+  dp = sharding_lib.data_parallel_size(mesh_sizes, rules)
   train = config.train
   for field in ("steps", "grad_accum", "eval_every", "eval_batches", "log_every"):
     if getattr(train, field) <= 0:
@@ -170,6 +170,19 @@ def global_batch(setup, local_batch):
   return jax.make_array_from_process_local_data(setup.batch_sharding, local, global_shape)
 
 
+def sharded_abstract_state(setup):
+  """ShapeDtypeStructs carrying the target shardings: what a restore reads into."""
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      setup.abstract_state, setup.state_shardings)
+
+
+def eval_batches(setup):
+  """The fixed validation batches, as global arrays in the batch sharding."""
+  dp = sharding_lib.data_parallel_size(setup.mesh.shape, setup.rules)
+  return [global_batch(setup, batch)
+          for batch in data_lib.make_eval_batches(setup.config, data_parallel_size=dp)]
+
+
 def flops_per_token(spec, seq_len):
   _, params = model_lib.abstract_params(spec)
   embedding = spec.vocab_size * spec.d_model + (spec.max_seq_len * spec.d_model
@@ -178,7 +191,7 @@ def flops_per_token(spec, seq_len):
                                        spec.num_layers, spec.d_model, seq_len)
 
 
-def _evaluate(setup, eval_step, params, eval_arrays):
+def _evaluate(eval_step, params, eval_arrays):
   return float(np.mean([float(eval_step(params, batch)) for batch in eval_arrays]))
 
 
@@ -219,14 +232,12 @@ def train(config, workdir):
   writer = metrics.MetricsWriter(workdir)
   writer.write_text("config", _resolved_config_text(config))
 
-  train_iter = data_lib.make_train_iterator(config, data_parallel_size=sharding_lib
-                                            .data_parallel_size(setup.mesh, setup.rules))
+  dp = sharding_lib.data_parallel_size(setup.mesh.shape, setup.rules)
+  train_iter = data_lib.make_train_iterator(config, data_parallel_size=dp)
   if latest is None:
     state = init_state(setup)
   else:
-    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            setup.abstract_state, setup.state_shardings)
-    state, data_state = ckpt.restore(latest, abstract)
+    state, data_state = ckpt.restore(latest, sharded_abstract_state(setup))
     train_iter.set_state(data_state)
     writer.truncate_after(latest)
   start = int(state["step"])
@@ -234,9 +245,7 @@ def train(config, workdir):
   train_step = make_train_step(setup)
   eval_step = make_eval_step(setup)
   stream_stats = make_stream_stats(setup) if config.train.layer_stats_every > 0 else None
-  dp = sharding_lib.data_parallel_size(setup.mesh, setup.rules)
-  eval_arrays = [global_batch(setup, b)
-                 for b in data_lib.make_eval_batches(config, data_parallel_size=dp)]
+  eval_arrays = eval_batches(setup)
   tokens_per_step = config.data.batch_size * config.data.seq_len
   flops = flops_per_token(setup.spec, config.data.seq_len)
   peak = metrics.device_peak_flops(jax.devices()[0].device_kind, config.model.dtype,
@@ -275,7 +284,7 @@ def train(config, workdir):
       if step % config.train.eval_every == 0 or step == config.train.steps:
         log_train(*pending)
         pending = None
-        run.last_eval_loss = _evaluate(setup, eval_step, state["params"], eval_arrays)
+        run.last_eval_loss = _evaluate(eval_step, state["params"], eval_arrays)
         writer.write_scalars(step, {"loss": run.last_eval_loss}, split="eval")
         run.window_start = time.perf_counter()  # keep eval time out of tokens/s
       ckpt.save(step, state, train_iter.get_state(), force=step == config.train.steps)
@@ -315,10 +324,8 @@ def restore_params(workdir, step=None, config=None):
   setup = make_setup(config)
   ckpt = checkpoint_lib.Checkpointer(workdir, config.checkpoint,
                                      checkpoint_lib.config_fingerprint(config))
-  abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          setup.abstract_state, setup.state_shardings)
   try:
-    state, _ = ckpt.restore(step, abstract)
+    state, _ = ckpt.restore(step, sharded_abstract_state(setup))
   finally:
     ckpt.close()
   return config, setup, state
@@ -333,10 +340,7 @@ def load_model(workdir, step=None):
 def evaluate(config, workdir, step=None):
   """Validation loss of a saved checkpoint on the fixed validation batches."""
   config, setup, state = restore_params(workdir, step, config)
-  dp = sharding_lib.data_parallel_size(setup.mesh, setup.rules)
-  eval_arrays = [global_batch(setup, b)
-                 for b in data_lib.make_eval_batches(config, data_parallel_size=dp)]
-  loss = _evaluate(setup, make_eval_step(setup), state["params"], eval_arrays)
+  loss = _evaluate(make_eval_step(setup), state["params"], eval_batches(setup))
   return {"step": int(state["step"]), "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50))}
 
 

@@ -19,6 +19,7 @@ from flax import nnx
 from geonorm_jax import checkpoint as checkpoint_lib
 from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
+from geonorm_jax import hessian_callback
 from geonorm_jax import init_rules, losses, metrics, optim, placements
 from geonorm_jax import model as model_lib
 from geonorm_jax import sharding as sharding_lib
@@ -127,7 +128,7 @@ def make_train_step(setup):
     new_params = optax.apply_updates(params, updates)
     if is_ngpt:
       new_params = init_rules.normalize_ngpt_weights(new_params)
-    step_metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+    step_metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                     "lr": schedule(state["step"])}
     if with_layer_stats:
       for layer, value in metrics.per_layer_norms(grads).items():
@@ -245,6 +246,8 @@ def train(config, workdir):
   train_step = make_train_step(setup)
   eval_step = make_eval_step(setup)
   stream_stats = make_stream_stats(setup) if config.train.layer_stats_every > 0 else None
+  hessian_every = config.train.hessian_every
+  hessian_logger = hessian_callback.make_hessian_logger(setup) if hessian_every > 0 else None
   eval_arrays = eval_batches(setup)
   tokens_per_step = config.data.batch_size * config.data.seq_len
   flops = flops_per_token(setup.spec, config.data.seq_len)
@@ -277,6 +280,8 @@ def train(config, workdir):
         writer.write_scalars(step - 1, jax.device_get(stream_stats(state["params"], tokens)),
                              split="layers")
       state, step_metrics = train_step(state, tokens)
+      if hessian_logger is not None and step % hessian_every == 0:
+        writer.write_scalars(step, hessian_logger(state, tokens, step), split="hessian")
       if pending is not None:
         log_train(*pending)  # step t-1's numbers, read while step t runs
       pending = (step, step_metrics)

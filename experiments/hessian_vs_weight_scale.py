@@ -1,0 +1,449 @@
+"""Does the loss curvature depend on the scale of the weights? SimpleNorm's claim, measured.
+
+SimpleGPT (arXiv 2602.01212) argues that with a norm after every linear map, y = Norm(Wx),
+the Hessian of the loss w.r.t. the activations does not depend on ||W||, while for a plain
+y = Wx it grows like ||W||^2 -- and that this is why SimpleNorm tolerates larger learning
+rates. For a tiny GPT of each placement (pre, pre + qk_norm, simplenorm, geonorm) trained
+TRAIN_STEPS steps on the builtin corpus, this script scales linear maps W -> cW (and their
+bias b -> cb, so that the map's output is scaled; Norm(cWx + b) is not invariant) for
+c in SCALES and measures, on one validation batch, by Lanczos (NUM_STEPS steps):
+
+  act_in    lambda_max of d2L/dx2, x the activation ENTERING the map (tap `<map>.in`).
+            This is the claim's quantity: for Norm(cWx) the loss is the same function
+            of x for every c, so this is flat; for a plain map it is c^2 W^T H_y W.
+  act_out   lambda_max w.r.t. the map's output before any norm (tap `<map>.out`): the
+            activation a plain map hands to the next op; for SimpleNorm it is the pre-norm
+            z = cWx, where 0-homogeneity of Norm gives a 1/c^2 law.
+            The point AFTER SimpleNorm's norm has no tap and needs none: its value
+            Norm(cWx) and everything downstream of it are the same for every c, so its
+            Hessian is invariant by construction and a measurement would show nothing.
+  params    lambda_max of d2L/dtheta2 over the scaled maps' kernels and biases (the
+            diagonal block of the parameter Hessian; computed as M H M with M the 0/1 mask
+            of those maps inside the block of all linear maps, one compiled function for
+            every scope).
+
+Scopes: `q` = blocks.0.attn.q, `up` = blocks.0.mlp.up, `all` = every attention and MLP
+linear map of every block (activation taps: those of blocks.0.attn.q and blocks.0.mlp.up).
+Embedding and head are never scaled. Note pre + qk_norm normalises q per head after the
+q map, so its `q` scope is a Norm(Wx) case too; geonorm's maps are plain.
+
+  cd /work/main && .venv/bin/python experiments/hessian_vs_weight_scale.py [--report_only]
+
+Writes results/hessian_vs_weight_scale/{results.csv, results.md, loglog.png}; trained
+checkpoints are kept in runs/hessian_vs_weight_scale/ and reused on a second run.
+About 8-10 minutes on a 2-core CPU (most of it XLA compilation and training).
+"""
+import csv
+import os
+import pathlib
+import re
+import sys
+import time
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from geonorm_jax import config as config_lib  # noqa: E402
+from geonorm_jax import hessian, losses, metrics, train  # noqa: E402
+
+OUT_DIR = REPO_ROOT / "results" / "hessian_vs_weight_scale"
+RUN_DIR = REPO_ROOT / "runs" / "hessian_vs_weight_scale"
+TRAIN_STEPS = 300
+BASE = ("tiny,num_layers=2,d_model=64,num_heads=4,max_seq_len=64,seq_len=64,batch_size=16,"
+        f"steps={TRAIN_STEPS},warmup_steps=30,lr=1e-3,eval_every={TRAIN_STEPS},"
+        f"eval_batches=1,log_every=50,progress_bar=false,checkpoint.every={TRAIN_STEPS},"
+        "keep_last=1,async_save=false,")
+PLACEMENTS = {
+    "pre": "placement=pre",
+    "pre_qk_norm": "placement=pre,qk_norm=true",
+    "simplenorm": "placement=simplenorm",
+    "geonorm": "placement=geonorm",
+}
+# SimpleNorm's trained weights analysed again with the norms' eps at 1e-12 (same params,
+# only the analysis graph differs): separates the eps effect from the invariance itself.
+EPS_VARIANT = "simplenorm_eps1e-12"
+SCALES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+NUM_STEPS = 20
+HESSIAN_BATCH = 8  # sequences of the first validation batch
+TAP_MAPS = ("blocks.0.attn.q", "blocks.0.mlp.up")
+SCOPES = {"q": ("blocks.0.attn.q",), "up": ("blocks.0.mlp.up",), "all": None}
+LINEAR = r"^blocks\.\d+\.(attn\.(q|k|v|o)|mlp\.(up|gate|down))\.(kernel|bias)$"
+
+
+def train_or_restore(name):
+  """(setup, params, eval loss) of the trained run; trains only what is missing."""
+  workdir = str(RUN_DIR / name)
+  config = config_lib.get_config(BASE + PLACEMENTS[name])
+  started = time.perf_counter()
+  train.train(config, workdir)  # resumes; a finished run returns at once
+  _, setup, state = train.restore_params(workdir)
+  # From metrics.jsonl: a resumed, already finished run reports no eval in its summary.
+  evals = [r for r in metrics.read_metrics(workdir) if r["split"] == "eval"]
+  eval_loss = evals[-1]["loss"] if evals else float("nan")
+  print(f"[{name}] trained to step {int(state['step'])}, eval loss {eval_loss:.3f} "
+        f"({time.perf_counter() - started:.0f} s)", flush=True)
+  return setup, state["params"], eval_loss
+
+
+def simplenorm_prenorm_scale(setup, params, tokens_BxL1):
+  """mean((Wx + b)^2) entering SimpleNorm's norms after blocks.0's q and up maps, at c=1.
+
+  Norm(cz) == Norm(z) only while eps << mean(z^2); block 0's q reads the raw embedding,
+  whose scale is set by the embedding init, so this is the number that says whether eps
+  can matter. (Computed with SimpleNorm's own update, x + F(x): valid for it only.)
+  """
+  model = nnx.merge(setup.graphdef, params)
+  block = model.blocks[0]
+  x_BxLxD = model.embed_tokens(tokens_BxL1[:, :-1])
+  q = block.attn.q(x_BxLxD)
+  up = block.mlp.up(x_BxLxD + block.attn(x_BxLxD))
+  return {"blocks.0.attn.q": float(jnp.mean(q * q)), "blocks.0.mlp.up": float(jnp.mean(up * up))}
+
+
+def linear_paths(params):
+  pattern = re.compile(LINEAR)
+  return [p for p in hessian.leaf_paths(params) if pattern.search(p)]
+
+
+def in_scope(path, maps):
+  return maps is None or any(path.startswith(m + ".") for m in maps)
+
+
+def make_measure(setup, tokens_BxL1):
+  """jit(params, scales, mask, key): lambda_max and residual bound of every quantity.
+
+  `scales` and `mask` are dicts path -> scalar over the linear maps' leaves, so one
+  compilation serves every scope and every c.
+  """
+  graphdef = setup.graphdef
+  batch, length = tokens_BxL1.shape[0], tokens_BxL1.shape[1] - 1
+  spec = setup.spec
+  tap_widths = {"blocks.0.attn.q.in": spec.d_model, "blocks.0.attn.q.out": spec.d_model,
+                "blocks.0.mlp.up.in": spec.d_model, "blocks.0.mlp.up.out": spec.d_ff}
+
+  def top(result):
+    return result.ritz_values[0], result.residual_bounds[0]
+
+  def measure(params, scales, mask, key):
+    def scale(path, leaf):
+      factor = scales.get(hessian.path_to_str(path))
+      return leaf if factor is None else leaf * factor
+    scaled = jax.tree_util.tree_map_with_path(scale, params)
+    out = {}
+    for tap, width in tap_widths.items():
+      like = jnp.zeros((batch, length, width), jnp.float32)
+      loss_of_delta = lambda d, tap=tap: losses.lm_loss(nnx.merge(graphdef, scaled),
+                                                        tokens_BxL1, perturb={tap: d})
+      out[tap] = top(hessian.lanczos(hessian.activation_matvec(loss_of_delta, like), like,
+                                     NUM_STEPS, key))
+    loss_fn = lambda p, t: losses.lm_loss(nnx.merge(graphdef, p), t)
+    block_matvec, like = hessian.subset_matvec(loss_fn, scaled, LINEAR, tokens_BxL1)
+    masked = lambda v: {k: mask[k] * h for k, h in block_matvec(
+        {k: mask[k] * x for k, x in v.items()}).items()}
+    out["params"] = top(hessian.lanczos(masked, like, NUM_STEPS, key))
+    out["loss"] = loss_fn(scaled, tokens_BxL1)  # saturation and breakage show up here
+    return out
+
+  return jax.jit(measure)
+
+
+def measure_placement(name, setup, params, tokens_BxL1):
+  paths = linear_paths(params)
+  measure = make_measure(setup, tokens_BxL1)
+  key = jax.random.key(0)
+  rows = []
+  for scope, maps in SCOPES.items():
+    mask = {p: jnp.float32(in_scope(p, maps)) for p in paths}
+    for c in SCALES:
+      scales = {p: jnp.float32(c if in_scope(p, maps) else 1.0) for p in paths}
+      started = time.perf_counter()
+      out = jax.device_get(measure(params, scales, mask, key))
+      for tap_map in TAP_MAPS:
+        if maps is not None and tap_map not in maps:
+          continue  # a tap of a map this scope does not scale: not part of the question
+        for kind in ("in", "out"):
+          value, bound = out[f"{tap_map}.{kind}"]
+          rows.append(dict(placement=name, scope=scope, c=c, quantity=f"act_{kind}",
+                           where=f"{tap_map}.{kind}", lambda_max=float(value),
+                           residual_bound=float(bound), loss=float(out["loss"])))
+      value, bound = out["params"]
+      rows.append(dict(placement=name, scope=scope, c=c, quantity="params",
+                       where="+".join(maps) if maps else "all linear maps",
+                       lambda_max=float(value), residual_bound=float(bound),
+                       loss=float(out["loss"])))
+      print(f"[{name}] scope={scope} c={c}: "
+            + ", ".join(f"{r['quantity']}@{r['where']}={r['lambda_max']:.4g}"
+                        for r in rows if r["scope"] == scope and r["c"] == c)
+            + f", loss={float(out['loss']):.3f} ({time.perf_counter() - started:.1f} s)",
+            flush=True)
+  return rows
+
+
+def fit_slopes(rows):
+  """(placement, scope, quantity, where) -> least-squares slope of log lambda vs log c."""
+  groups = {}
+  for r in rows:
+    groups.setdefault((r["placement"], r["scope"], r["quantity"], r["where"]), []).append(r)
+  slopes = {}
+  for key, group in groups.items():
+    c = np.array([r["c"] for r in group])
+    lam = np.array([r["lambda_max"] for r in group])
+    if np.all(lam > 0):
+      slope, _ = np.polyfit(np.log(c), np.log(lam), 1)
+      # Also the steepest and flattest local slopes, to show saturation.
+      local = np.diff(np.log(lam)) / np.diff(np.log(c))
+      slopes[key] = (float(slope), float(local.min()), float(local.max()))
+    else:
+      slopes[key] = (float("nan"),) * 3
+  return slopes
+
+
+def write_csv(rows, path):
+  with open(path, "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def plot(rows, path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.ticker  # pylint: disable=g-import-not-at-top
+
+  quantities = ("act_in", "act_out", "params")
+  titles = {"act_in": "d2L/dx2, x entering the map", "act_out": "d2L/dz2, z = Wx (pre-norm)",
+            "params": "d2L/dW2 of the scaled maps"}
+  fig, axes = plt.subplots(len(quantities), len(SCOPES), figsize=(13, 10), squeeze=False)
+  names = list(PLACEMENTS) + [EPS_VARIANT]
+  colors = dict(zip(names, ("C0", "C1", "C2", "C3", "C4")))
+  c = np.array(SCALES)
+  for i, quantity in enumerate(quantities):
+    for j, scope in enumerate(SCOPES):
+      ax = axes[i][j]
+      for name in names:
+        for where, style in (("blocks.0.mlp.up", "-"), ("blocks.0.attn.q", "--")):
+          sel = [r for r in rows if r["placement"] == name and r["scope"] == scope
+                 and r["quantity"] == quantity
+                 and (quantity == "params" or r["where"].startswith(where))]
+          if quantity == "params" and style == "--":
+            continue
+          if not sel:
+            continue
+          label = name if quantity == "params" else f"{name} ({where.split('.')[-1]})"
+          ax.loglog([r["c"] for r in sel], [r["lambda_max"] for r in sel], style,
+                    marker="o", ms=3, color=colors[name], label=label)
+      for slope, ls in ((0, ":"), (2, ":"), (-2, ":")):
+        ref = [r["lambda_max"] for r in rows if r["scope"] == scope
+               and r["quantity"] == quantity and r["c"] == 1.0]
+        if ref:
+          anchor = float(np.exp(np.mean(np.log(np.maximum(ref, 1e-30)))))
+          ax.loglog(c, anchor * c**slope, ls, color="gray", lw=0.8)
+      ax.set_title(f"{titles[quantity]} | scope {scope}", fontsize=9)
+      ax.set_xticks(c)
+      ax.set_xticklabels([f"{v:g}" for v in c])
+      ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+      ax.set_xlabel("c (W -> cW)")
+      ax.set_ylabel("lambda_max")
+      if (i == 0 and j < 2) or (quantity == "params" and j == 0):
+        ax.legend(fontsize=7)
+  fig.suptitle("Top Hessian eigenvalue vs weight scale. Activation taps: solid "
+               "blocks.0.mlp.up, dashed blocks.0.attn.q; gray: slopes 0, +2, -2", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def reading(rows, slopes, prenorm):
+  """The write-up: the three statements kept apart, every number read from `rows`.
+
+  The prose was written for the run recorded in results.csv; the numbers are filled in
+  from the data, so a rerun with a different outcome shows up as prose and numbers that
+  disagree.
+  """
+  def pick(name, scope, quantity, where):
+    sel = sorted((r for r in rows if r["placement"] == name and r["scope"] == scope
+                  and r["quantity"] == quantity and r["where"].startswith(where)),
+                 key=lambda r: r["c"])
+    return [r["lambda_max"] for r in sel], [r["loss"] for r in sel]
+
+  def spread(name, scope, quantity, where):
+    values, _ = pick(name, scope, quantity, where)
+    return max(values) / min(values)
+
+  def slope(name, scope, quantity, where):
+    for (n, sc, q, w), value in slopes.items():
+      if (n, sc, q) == (name, scope, quantity) and w.startswith(where):
+        return value
+    return (float("nan"),) * 3
+
+  def series(name, scope, quantity, where):
+    return ", ".join(f"{v:.3g}" for v in pick(name, scope, quantity, where)[0])
+
+  up, q = "blocks.0.mlp.up", "blocks.0.attn.q"
+  loss_of = lambda name, scope: pick(name, scope, "params", "")[1]
+  ratio_q = prenorm.get(q, float("nan")) / 1e-5
+  geo_up_loss = loss_of("geonorm", "up")
+  geo_all_loss = loss_of("geonorm", "all")
+  lines = [
+      "## Reading: three statements, kept apart",
+      "",
+      "Prose written for the run recorded here; every number is read from results.csv.",
+      "",
+      "**1. The Hessian w.r.t. the input x of Norm(Wx) does not depend on c (the claim's "
+      "quantity, tap `.in`).**",
+      f"- SimpleNorm, `{up}` scaled alone: lambda_max = {series('simplenorm', 'up', 'act_in', up)}"
+      f" (max/min {spread('simplenorm', 'up', 'act_in', up):.5f}). Flat.",
+      f"- Pre-LN + qk_norm, `{q}` scaled alone (q is RMS-normalised per head right after "
+      f"the map): max/min {spread('pre_qk_norm', 'q', 'act_in', q):.4f}. Flat: qk_norm makes "
+      "W_q a Norm(Wx) map too.",
+      f"- SimpleNorm, `{q}` scaled alone: {series('simplenorm', 'q', 'act_in', q)} "
+      f"(max/min {spread('simplenorm', 'q', 'act_in', q):.2f}): flat only from c=2 on. "
+      "Block 0's q reads the raw token + position embedding (SimpleNorm has no input norm), "
+      f"so mean((Wx + b)^2) entering its norm is only {prenorm.get(q, float('nan')):.3g} at "
+      f"c=1 ({ratio_q:.0f}x the norm's eps 1e-5; 1/16 of that at c=0.25). The same "
+      f"trained weights analysed with eps = 1e-12 (`{EPS_VARIANT}`) give "
+      f"{series(EPS_VARIANT, 'q', 'act_in', q)} (max/min "
+      f"{spread(EPS_VARIANT, 'q', 'act_in', q):.4f}): the departure is the norm's eps, "
+      "the caveat of the toy check, not a failure of the invariance. It matters in "
+      "practice wherever a normalised map reads small activations.",
+      f"- All linear maps scaled: SimpleNorm's `{up}.in` max/min "
+      f"{spread('simplenorm', 'all', 'act_in', up):.3f} (block 0's q/k/v eps effect reaches "
+      f"it through the attention output); with eps = 1e-12: "
+      f"{spread(EPS_VARIANT, 'all', 'act_in', up):.4f}.",
+      "- Invariance is not smallness: levels differ across placements because the tapped "
+      "activations differ (Pre-LN's `.in` is a LayerNorm output of scale 1; SimpleNorm's is "
+      "the raw stream, here the small embedding for block 0's q, and d2L/dx2 grows as x "
+      f"shrinks: {pick('simplenorm', 'q', 'act_in', q)[0][2]:.3g} against Pre-LN's "
+      f"{pick('pre', 'q', 'act_in', q)[0][2]:.3g} at c=1). This experiment tests the "
+      "dependence on c, not which placement has the smaller Hessian.",
+      "",
+      "**2. The Hessian w.r.t. a normalised map's own parameters falls as 1/c^2** (scale "
+      "invariance L(cW) = L(W), so d2L/dW2 at cW is c^-2 times that at W). Fitted slopes: "
+      f"SimpleNorm `up` {slope('simplenorm', 'up', 'params', up)[0]:+.2f}, `q` "
+      f"{slope('simplenorm', 'q', 'params', q)[0]:+.2f}, all linear maps "
+      f"{slope('simplenorm', 'all', 'params', 'all')[0]:+.2f} (eps = 1e-12: "
+      f"{slope(EPS_VARIANT, 'all', 'params', 'all')[0]:+.2f}); Pre-LN + qk_norm `q` "
+      f"{slope('pre_qk_norm', 'q', 'params', q)[0]:+.2f}. The pre-norm output z = cWx "
+      f"(tap `.out`) follows the same law (SimpleNorm `up` "
+      f"{slope('simplenorm', 'up', 'act_out', up)[0]:+.2f}, qk_norm `q` "
+      f"{slope('pre_qk_norm', 'q', 'act_out', q)[0]:+.2f}), since Norm is 0-homogeneous. "
+      "This is a different statement from 1: it is about parameters, and it says that a "
+      "normalised weight that grows lowers its own curvature.",
+      "",
+      "**3. For a plain map, the Hessian w.r.t. its input grows with c, roughly as c^2 only "
+      "while nothing downstream saturates.** Fitted slopes [local min, max]:",
+  ]
+  for name, scope, where in (("pre", "up", up), ("pre", "q", q), ("pre_qk_norm", "up", up),
+                             ("geonorm", "q", q), ("geonorm", "up", up)):
+    fit, lo, hi = slope(name, scope, "act_in", where)
+    losses_c = loss_of(name, scope)
+    lines.append(f"- {name}, `{where}`: {fit:+.2f} [{lo:+.2f}, {hi:+.2f}]; loss at c = 0.25 / "
+                 f"1 / 8: {losses_c[0]:.2f} / {losses_c[2]:.2f} / {losses_c[-1]:.2f}.")
+  lines += [
+      f"- All linear maps of Pre-LN scaled together compound: `{q}.in` "
+      f"{slope('pre', 'all', 'act_in', q)[0]:+.2f}, `{up}.in` "
+      f"{slope('pre', 'all', 'act_in', up)[0]:+.2f}.",
+      "",
+      "A trained small model is not the toy: single plain maps give slopes between "
+      "+0.5 and +2.9 rather than a clean +2, with the growth flattening at large c (GELU "
+      "and softmax saturating; Pre-LN's MLP input Hessian stops growing past c=4). GeoNorm "
+      "is plain at its linear maps, and its residual update rotates the stream by an angle "
+      "proportional to the sublayer output (no clamp by default): scaling the MLP's `up` "
+      "map moves its loss from "
+      f"{geo_up_loss[2]:.2f} (c=1) to {geo_up_loss[3]:.2f} (c=2) and {geo_up_loss[-1]:.2f} "
+      f"(c=8), and scaling all maps from {geo_all_loss[2]:.2f} to {geo_all_loss[-1]:.2f}, "
+      f"with the parameter Hessian of `up` alternating ({series('geonorm', 'up', 'params', up)})"
+      " and every all-maps Hessian exploding (up to "
+      f"{max(pick('geonorm', 'all', 'params', 'all')[0]):.3g}): there, curvature is not a "
+      "smooth function of the weight scale at all.",
+      "",
+  ]
+  return lines
+
+
+def write_markdown(rows, slopes, eval_losses, prenorm, path, wall_s):
+  lines = [
+      "# Hessian vs weight scale (W -> cW), tiny GPT, 4 placements",
+      "",
+      "Written by `experiments/hessian_vs_weight_scale.py`"
+      + ("" if wall_s is None else f" in {wall_s / 60:.1f} min") + " on a 2-core CPU. "
+      "`loglog.png`: one panel per quantity and scope. Models: gpt2 backbone, 2 blocks, d=64, 4 heads, seq 64, byte-level "
+      f"builtin corpus, {TRAIN_STEPS} AdamW steps (lr 1e-3, batch 16), then W -> cW with the "
+      f"map's bias scaled too. Hessians on {HESSIAN_BATCH} validation sequences; lambda_max "
+      f"by {NUM_STEPS}-step Lanczos (residual bounds in results.csv).",
+      "",
+      "| placement | eval loss after training |",
+      "|---|---|",
+  ]
+  for name, loss in eval_losses.items():
+    lines.append(f"| {name} | {loss:.3f} |")
+  if prenorm:
+    lines += ["", "SimpleNorm, mean((Wx + b)^2) entering the norm at c=1 (norm eps = 1e-5): "
+              + ", ".join(f"{k}: {v:.3g}" for k, v in prenorm.items()) + "."]
+  lines += [""] + reading(rows, slopes, prenorm)
+  lines += ["## Fitted log-log slopes d log(lambda_max) / d log(c)", "",
+            "Least squares over c in {" + ", ".join(f"{c:g}" for c in SCALES) + "}; "
+            "[min, max] of the local slopes between neighbouring c in brackets.", ""]
+  lines.append("| placement | scope | quantity | where | slope | local [min, max] |")
+  lines.append("|---|---|---|---|---|---|")
+  for (name, scope, quantity, where), (slope, lo, hi) in slopes.items():
+    lines.append(f"| {name} | {scope} | {quantity} | {where} | {slope:+.2f} | "
+                 f"[{lo:+.2f}, {hi:+.2f}] |")
+  lines += ["", "## lambda_max per c", "",
+            "| placement | scope | quantity | where | " + " | ".join(f"c={c:g}" for c in SCALES)
+            + " |", "|---|---|---|---|" + "---|" * len(SCALES)]
+  table = {}
+  for r in rows:
+    table.setdefault((r["placement"], r["scope"], r["quantity"], r["where"]), {})[r["c"]] = r
+  for (name, scope, quantity, where), by_c in table.items():
+    lines.append(f"| {name} | {scope} | {quantity} | {where} | "
+                 + " | ".join(f"{by_c[c]['lambda_max']:.3g}" for c in SCALES) + " |")
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+def read_csv(path):
+  with open(path) as f:
+    rows = list(csv.DictReader(f))
+  for r in rows:
+    for key in ("c", "lambda_max", "residual_bound", "loss"):
+      r[key] = float(r[key])
+  return rows
+
+
+def main(report_only=False):
+  """Train (or reuse), measure, write; with report_only, rebuild md/png from results.csv."""
+  started = time.perf_counter()
+  os.makedirs(OUT_DIR, exist_ok=True)
+  rows, eval_losses, prenorm = [], {}, {}
+  for name in PLACEMENTS:
+    setup, params, eval_losses[name] = train_or_restore(name)
+    tokens = np.asarray(jax.device_get(train.eval_batches(setup)[0]))[0, :HESSIAN_BATCH]
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if not report_only:
+      rows += measure_placement(name, setup, params, tokens)
+    if name == "simplenorm":
+      prenorm = simplenorm_prenorm_scale(setup, params, tokens)
+      if not report_only:
+        eps_config = config_lib.get_config(BASE + PLACEMENTS[name] + ",norm_eps=1e-12")
+        rows += measure_placement(EPS_VARIANT, train.make_setup(eps_config), params, tokens)
+  wall_s = time.perf_counter() - started
+  if report_only:
+    rows = read_csv(OUT_DIR / "results.csv")
+  else:
+    write_csv(rows, OUT_DIR / "results.csv")
+  slopes = fit_slopes(rows)
+  plot(rows, OUT_DIR / "loglog.png")
+  write_markdown(rows, slopes, eval_losses, prenorm, OUT_DIR / "results.md",
+                 None if report_only else wall_s)
+  print(f"wrote {OUT_DIR} in {wall_s:.0f} s")
+
+
+if __name__ == "__main__":
+  main(report_only="--report_only" in sys.argv[1:])

@@ -1,0 +1,130 @@
+"""The trainer's curvature log: top Hessian eigenvalues next to the stability thresholds.
+
+`make_hessian_logger(setup)` returns `log(state, tokens_AxBxL1, step) -> {name: float}`,
+one jitted function (compiled on the first call) that runs, on the batch just trained on:
+
+  lambda_max, lambda_max_bound, lambda_min   Lanczos on the Hessian of the training loss
+                                             w.r.t. all parameters (train.hessian_steps)
+  lambda_max_precond (+ _bound)              the same for P^-1/2 H P^-1/2, Adam's
+                                             preconditioned Hessian, P from the opt state
+  lr                                         the learning rate of the next update
+  two_over_lr                                2 / lr: gradient descent is unstable on a
+                                             quadratic once lambda_max exceeds it
+  adam_threshold                             (2 + 2 b1) / ((1 - b1) lr): the same for
+                                             lambda_max_precond (Cohen et al. 2022,
+                                             "Adaptive gradient methods at the edge of
+                                             stability"), 38/lr for b1 = 0.9
+  lambda_max/blocks.{i}                      per block, if train.hessian_per_block
+
+The loss is the training loss: the mean over the A micro-batches of each one's mean token
+loss, its HVP accumulated over micro-batches in a `lax.scan` (memory of one micro-batch,
+as in the train step). The learning rate is the one of the next update, schedule(state
+["step"]), i.e. the step the measured curvature will meet. Global-norm clipping and
+decoupled weight decay are not part of P: both act on the update, not on the curvature
+seen by Adam's preconditioner. Per-parameter LR multipliers are: the effective
+preconditioner of a parameter with multiplier m is P / m.
+"""
+import jax
+from jax import lax
+import jax.numpy as jnp
+from flax import nnx
+
+from geonorm_jax import hessian, losses, optim
+
+
+def _micro_loss(graphdef):
+  return lambda params, tokens_BxL1: losses.lm_loss(nnx.merge(graphdef, params), tokens_BxL1)
+
+
+def accumulated_matvec(make_matvec, tokens_KxBxL1, weights_K=None):
+  """v -> sum_k w_k make_matvec(tokens[k])(v) / sum_k w_k, over micro-batches in a lax.scan.
+
+  `make_matvec(tokens_BxL1)` builds the matvec of one micro-batch; it is traced inside the
+  scan body, so only one micro-batch's HVP intermediates are live at a time (and the
+  HVP is compiled once, however many micro-batches there are). Equal weights by default;
+  pass token counts to get the Hessian of the token-weighted mean loss.
+  """
+  count = tokens_KxBxL1.shape[0]
+  if weights_K is None:
+    weights_K = jnp.ones((count,), jnp.float32)
+  weights_K = jnp.asarray(weights_K, jnp.float32)
+  weights_K = weights_K / jnp.sum(weights_K)
+
+  def matvec(vector):
+    def body(total, inputs):
+      tokens_BxL1, weight = inputs
+      hv = make_matvec(tokens_BxL1)(vector)
+      return jax.tree.map(lambda t, h: t + weight.astype(h.dtype) * h, total, hv), None
+
+    zeros = jax.tree.map(jnp.zeros_like, vector)
+    total, _ = lax.scan(body, zeros, (tokens_KxBxL1, weights_K))
+    return total
+
+  return matvec
+
+
+def block_select(index):
+  return f"^blocks\\.{index}\\."
+
+
+def effective_preconditioner(opt_state, params, train_config):
+  """Adam's P (bias-corrected, with eps), divided by the per-parameter LR multipliers."""
+  precond = hessian.adam_preconditioner(opt_state, None, b2=train_config.b2,
+                                        eps=train_config.eps)
+  if not train_config.lr_multipliers:
+    return precond
+  # P's leaves are in nu's structure (optax wraps them differently); match by leaf order,
+  # which is the params' order.
+  multipliers = jax.tree.leaves(optim.multiplier_tree(params, train_config.lr_multipliers))
+  leaves = jax.tree.leaves(precond)
+  scaled = [p / jnp.asarray(m, p.dtype) for p, m in zip(leaves, multipliers)]
+  return jax.tree.unflatten(jax.tree.structure(precond), scaled)
+
+
+def make_hessian_logger(setup, seed=0):
+  """(state, tokens_AxBxL1, step) -> dict of floats; see the module docstring."""
+  train_config = setup.config.train
+  num_steps = int(train_config.hessian_steps)
+  per_block = bool(train_config.hessian_per_block)
+  num_layers = setup.spec.num_layers
+  b1 = float(train_config.b1)
+  micro_loss = _micro_loss(setup.graphdef)
+  base_key = jax.random.key(seed)
+
+  def lanczos_top(matvec, like, key):
+    result = hessian.lanczos(matvec, like, num_steps, key)
+    return result.ritz_values[0], result.residual_bounds[0], result.ritz_values[-1]
+
+  def compute(state, tokens_AxBxL1, step):
+    params = state["params"]
+    keys = jax.random.split(jax.random.fold_in(base_key, step), 2 + num_layers)
+    full = accumulated_matvec(
+        lambda tokens: hessian.params_matvec(micro_loss, params, tokens), tokens_AxBxL1)
+    out = {}
+    out["lambda_max"], out["lambda_max_bound"], out["lambda_min"] = lanczos_top(
+        full, params, keys[0])
+    precond = effective_preconditioner(state["opt_state"], params, train_config)
+    top, bound, _ = lanczos_top(hessian.preconditioned_matvec(full, precond), params, keys[1])
+    out["lambda_max_precond"], out["lambda_max_precond_bound"] = top, bound
+    lr = setup.schedule(state["step"])
+    out["lr"] = lr
+    out["two_over_lr"] = 2.0 / lr
+    out["adam_threshold"] = (2.0 + 2.0 * b1) / ((1.0 - b1) * lr)
+    if per_block:
+      for index in range(num_layers):
+        select = block_select(index)
+        _, like = hessian.subset_matvec(micro_loss, params, select, tokens_AxBxL1[0])
+        block = accumulated_matvec(
+            lambda tokens, s=select: hessian.subset_matvec(micro_loss, params, s, tokens)[0],
+            tokens_AxBxL1)
+        out[f"lambda_max/blocks.{index}"] = lanczos_top(block, like, keys[2 + index])[0]
+    return out
+
+  compiled = jax.jit(compute)
+
+  def log(state, tokens_AxBxL1, step):
+    values = jax.device_get(compiled(state, tokens_AxBxL1, jnp.asarray(step, jnp.int32)))
+    return {name: float(value) for name, value in values.items()}
+
+  return log
+

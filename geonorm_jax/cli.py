@@ -25,8 +25,6 @@ Examples:
 
 Config files live in configs/; each one's docstring gives its exact command.
 """
-import importlib
-import importlib.util
 import json
 import sys
 
@@ -117,12 +115,11 @@ def run_sample():
 
 
 def run_hessian():
-  workdir = _require_workdir()
-  if importlib.util.find_spec("geonorm_jax.hessian_cli") is None:
-    raise CommandError("`hessian` needs geonorm_jax/hessian_cli.py, which this checkout does "
-                       "not have; the library functions are in geonorm_jax.hessian")
-  hessian_cli = importlib.import_module("geonorm_jax.hessian_cli")
-  result = hessian_cli.run(workdir, _STEP.value)
+  from geonorm_jax import hessian_cli  # pylint: disable=g-import-not-at-top
+  try:
+    result = hessian_cli.run(_require_workdir(), _STEP.value)
+  except (ValueError, FileNotFoundError) as e:  # a bad workdir/step, or a non-finite HVP
+    raise CommandError(str(e)) from None
   if result is not None:
     _print_json(result)
 

@@ -142,14 +142,19 @@ def make_train_step(setup):
 
 
 def make_eval_step(setup):
-  """jit(params, tokens_AxBxL1) -> mean loss over the batch."""
+  """jit(params, tokens_AxBxL1) -> mean loss over all A micro-batches of the batch."""
   graphdef = setup.graphdef
-  return jax.jit(lambda params, tokens: _loss(graphdef, params, tokens[0]),
-                 in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
+
+  def eval_step(params, tokens_AxBxL1):
+    return jnp.mean(jax.lax.map(lambda t: _loss(graphdef, params, t), tokens_AxBxL1))
+  return jax.jit(eval_step, in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
 
 
 def make_stream_stats(setup):
-  """jit(params, tokens) -> residual RMS / mean |x| per layer and the angle each block turns."""
+  """jit(params, tokens) -> residual RMS / mean |x| per layer and the angle each block turns.
+
+  Measured on the first micro-batch only: a statistic, not a loss, so a sample suffices.
+  """
   graphdef = setup.graphdef
 
   def stats(params, tokens_AxBxL1):

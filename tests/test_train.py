@@ -130,3 +130,17 @@ def test_unwritable_workdir_fails_before_training(tmp_path):
   blocker.write_text("x")
   with pytest.raises(OSError, match=str(blocker)):
     train.train(config_lib.get_config(SMALL), str(blocker / "run"))
+
+
+def test_eval_step_averages_every_micro_batch():
+  config = config_lib.get_config(SMALL)
+  setup = train.make_setup(config, jax.devices()[:1])
+  state = train.init_state(setup)
+  tokens = train.global_batch(setup, next(data_lib.make_train_iterator(config)))
+  full = float(train.make_eval_step(setup)(state["params"], tokens))
+  accum_config = config_lib.get_config(SMALL + ",grad_accum=4")
+  accum_setup = train.make_setup(accum_config, jax.devices()[:1])
+  split = train.global_batch(accum_setup, {"tokens": np.asarray(tokens).reshape(16, -1)})
+  assert split.shape[0] == 4
+  np.testing.assert_allclose(float(train.make_eval_step(accum_setup)(state["params"], split)),
+                             full, rtol=1e-6)

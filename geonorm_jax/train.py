@@ -360,11 +360,11 @@ def benchmark_tokens_per_s(config, steps):
   state = init_state(setup)
   step_fn = make_train_step(setup)
   it = data_lib.make_train_iterator(config)
-  state, _ = step_fn(state, global_batch(setup, next(it)))
-  jax.block_until_ready(state)
+  state, step_metrics = step_fn(state, global_batch(setup, next(it)))
+  float(step_metrics["loss"])
   batches = [global_batch(setup, next(it)) for _ in range(steps)]
   start = time.perf_counter()
   for tokens in batches:
-    state, _ = step_fn(state, tokens)
-  jax.block_until_ready(state)
+    state, step_metrics = step_fn(state, tokens)
+  float(step_metrics["loss"])  # the last step's value exists only once every step has run
   return steps * config.data.batch_size * config.data.seq_len / (time.perf_counter() - start)

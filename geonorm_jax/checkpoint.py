@@ -161,7 +161,8 @@ class Checkpointer:
       fingerprint: Mapping[str, Any] | None = None,
   ):
     check_writable(workdir)
-    self.workdir = epath.Path(workdir)
+    # orbax needs an absolute path; users type relative ones (make run uses runs/main).
+    self.workdir = epath.Path(os.path.abspath(workdir))
     self.directory = self.workdir / CHECKPOINT_SUBDIR
     self.every = int(checkpoint_config.every)
     self.fingerprint = None if fingerprint is None else dict(fingerprint)

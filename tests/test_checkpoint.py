@@ -188,3 +188,14 @@ def test_save_config_json_round_trips(tmp_path):
   checkpoint.save_config_json(tmp_path, config)
   with open(tmp_path / checkpoint.CONFIG_FILENAME) as f:
     assert json.load(f) == json.loads(config.to_json())
+
+
+def test_relative_workdir_saves_and_restores(tmp_path, monkeypatch):
+  """`make run` passes runs/main: orbax itself refuses relative checkpoint paths."""
+  monkeypatch.chdir(tmp_path)
+  state = {"x": jnp.arange(3.0)}
+  with _new_checkpointer("relative/run", async_save=False) as saver:
+    assert saver.save(1, state, None, force=True)
+    restored, _ = saver.restore(None, state)
+  np.testing.assert_array_equal(restored["x"], state["x"])
+  assert (tmp_path / "relative" / "run" / "checkpoints" / "1").is_dir()

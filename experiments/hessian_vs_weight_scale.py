@@ -131,7 +131,7 @@ def make_measure(setup, tokens_BxL1):
 
   def measure(params, scales, mask, key):
     def scale(path, leaf):
-      factor = scales.get(hessian.path_to_str(path))
+      factor = scales.get(hessian.path_to_string(path))
       return leaf if factor is None else leaf * factor
     scaled = jax.tree_util.tree_map_with_path(scale, params)
     out = {}

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 import optax
 
+from geonorm_jax.paths import leaf_paths, path_to_string
+
 PyTree = Any
 Matvec = Callable[[PyTree], PyTree]
 
@@ -60,32 +62,6 @@ def params_matvec(loss_fn: Callable[..., jax.Array], params: PyTree, *args) -> M
   return lambda vector: hvp(loss_fn, params, vector, *args)
 
 
-def path_to_str(path: Sequence[Any]) -> str:
-  """'blocks.3.attn.kernel' for a jax key path; NNX's trailing '.value' is dropped."""
-  parts = []
-  for entry in path:
-    if isinstance(entry, jax.tree_util.DictKey):
-      parts.append(str(entry.key))
-    elif isinstance(entry, jax.tree_util.GetAttrKey):
-      parts.append(entry.name)
-    elif isinstance(entry, jax.tree_util.SequenceKey):
-      parts.append(str(entry.idx))
-    elif isinstance(entry, jax.tree_util.FlattenedIndexKey):
-      parts.append(str(entry.key))
-    else:
-      parts.append(str(entry))
-  # NNX variables flatten to GetAttrKey('value'); users think of the variable's own path.
-  ends_in_value = isinstance(path[-1], jax.tree_util.GetAttrKey) and parts[-1] == "value"
-  if len(parts) > 1 and ends_in_value:
-    parts.pop()
-  return ".".join(parts)
-
-
-def leaf_paths(tree: PyTree) -> list[str]:
-  """Path strings of every leaf of `tree`, in `jax.tree.leaves` order."""
-  return [path_to_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
 def _as_predicate(select: Union[str, Callable[[str], bool]]) -> Callable[[str], bool]:
   if isinstance(select, str):
     pattern = re.compile(select)
@@ -109,7 +85,7 @@ def subset_matvec(
   """
   predicate = _as_predicate(select)
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-  paths = [path_to_str(p) for p, _ in with_paths]
+  paths = [path_to_string(p) for p, _ in with_paths]
   leaves = [leaf for _, leaf in with_paths]
   if len(set(paths)) != len(paths):
     raise ValueError("parameter paths are not unique as strings; cannot select a subset")
@@ -246,7 +222,7 @@ def _describe_shapes(tree: PyTree) -> str:
   with_paths = jax.tree_util.tree_flatten_with_path(tree)[0]
   if len(with_paths) == 1 and not with_paths[0][0]:
     return str(tuple(with_paths[0][1].shape))
-  return "{" + ", ".join(f"{path_to_str(p)}: {tuple(x.shape)}" for p, x in with_paths) + "}"
+  return "{" + ", ".join(f"{path_to_string(p)}: {tuple(x.shape)}" for p, x in with_paths) + "}"
 
 
 class _FlatOperator(NamedTuple):

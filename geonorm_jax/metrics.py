@@ -6,7 +6,7 @@ Three independent parts:
   `metrics.jsonl` (for notebooks and experiment scripts, which should not need
   tensorboard to read a number back). Only process 0 writes.
 * Pure JAX statistics (`residual_stats`, `per_layer_norms`, `update_ratio`,
-  `geodesic_angle`) that run inside the jitted train step and return dicts of
+  `angle_between`) that run inside the jitted train step and return dicts of
   scalars, so the host only ever transfers a handful of floats.
 * Throughput helpers: `ProgressBar`, `mfu`, `device_peak_flops`,
   `model_flops_per_token`.
@@ -25,6 +25,8 @@ from typing import Any, TextIO
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from geonorm_jax.paths import path_to_string
 
 METRICS_FILENAME = "metrics.jsonl"
 EVENTS_SUBDIR = "tensorboard"
@@ -197,24 +199,6 @@ _BLOCK_INDEX = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)(?:\.|$)")
 _EMBED_NAMES = re.compile(r"embed|wte|wpe|positions")
 
 
-def path_to_string(path: Sequence[Any]) -> str:
-  """Dotted name of a pytree key path: ('blocks', 3, 'attn', 'kernel') -> 'blocks.3.attn.kernel'.
-
-  The `.value` attribute through which an nnx.Variable flattens is left out.
-  """
-  parts = []
-  for key in path:
-    if getattr(key, "name", None) == "value":
-      continue
-    for attribute in ("key", "name", "idx"):  # DictKey / GetAttrKey / SequenceKey
-      if hasattr(key, attribute):
-        parts.append(str(getattr(key, attribute)))
-        break
-    else:
-      parts.append(str(key))
-  return ".".join(parts)
-
-
 def default_layer_of_path(path: str) -> str:
   """'blocks.3.mlp.kernel' -> 'layer_03'; token/position embeddings -> 'embed'; rest -> 'head'.
 
@@ -289,7 +273,7 @@ def _safe_norm(x: jax.Array) -> jax.Array:
   return jnp.where(positive, jnp.sqrt(jnp.where(positive, squared, 1.0)), 0.0)
 
 
-def geodesic_angle(x_before: jax.Array, x_after: jax.Array) -> jax.Array:
+def angle_between(x_before: jax.Array, x_after: jax.Array) -> jax.Array:
   """Mean angle (radians) between x_before and x_after over all tokens.
 
   Vectors live on the last axis. arccos of the cosine is useless for small

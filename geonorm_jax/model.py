@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from geonorm_jax import init_rules, norms, placements
-from geonorm_jax.layers import Linear, NgptScale, Norm, apply_rope, constant, param, rope_cos_sin
+from geonorm_jax.layers import Linear, NgptScale, Norm, apply_rope, param, rope_cos_sin, tap
 from geonorm_jax.spec import ModelSpec, resolve
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -37,6 +37,11 @@ def _inner_norm(spec, width, axis_name):
 
 def _maybe(flag, build):
   return build() if flag else None
+
+
+def _apply_optional(module, x):
+  """A norm the placement may not have: None is the identity."""
+  return x if module is None else module(x)
 
 
 class Attention(nnx.Module):
@@ -70,19 +75,15 @@ class Attention(nnx.Module):
     self.s_q = _maybe(placement.is_ngpt, lambda: NgptScale(q_width, 1.0, d ** -0.5, "heads"))
     self.s_k = _maybe(placement.is_ngpt, lambda: NgptScale(kv_width, 1.0, d ** -0.5, "kv"))
 
-  @staticmethod
-  def _apply(module, x):
-    return x if module is None else module(x)
-
   def __call__(self, x_BxLxD, perturb=None):
     spec = self.spec
     batch, length, _ = x_BxLxD.shape
     hd, heads, kv_heads = spec.head_dim, spec.num_heads, spec.num_kv_heads
-    q = self._apply(self.q_out_norm, self.q(x_BxLxD, perturb))
-    k = self._apply(self.k_out_norm, self.k(x_BxLxD, perturb))
-    v = self._apply(self.v_out_norm, self.v(x_BxLxD, perturb))
-    q_BxLxHxK = self._apply(self.q_head_norm, q.reshape(batch, length, heads, hd))
-    k_BxLxGxK = self._apply(self.k_head_norm, k.reshape(batch, length, kv_heads, hd))
+    q = _apply_optional(self.q_out_norm, self.q(x_BxLxD, perturb))
+    k = _apply_optional(self.k_out_norm, self.k(x_BxLxD, perturb))
+    v = _apply_optional(self.v_out_norm, self.v(x_BxLxD, perturb))
+    q_BxLxHxK = _apply_optional(self.q_head_norm, q.reshape(batch, length, heads, hd))
+    k_BxLxGxK = _apply_optional(self.k_head_norm, k.reshape(batch, length, kv_heads, hd))
     v_BxLxGxK = v.reshape(batch, length, kv_heads, hd)
     scale = 1.0 / math.sqrt(hd)
     if self.s_q is not None:
@@ -97,7 +98,7 @@ class Attention(nnx.Module):
       k_BxLxGxK = apply_rope(k_BxLxGxK, cos, sin)
     out_BxLxHxK = causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, scale)
     out = self.o(out_BxLxHxK.reshape(batch, length, heads * hd), perturb)
-    return self._apply(self.o_out_norm, out)
+    return _apply_optional(self.o_out_norm, out)
 
 
 def causal_attention(q_BxLxHxK, k_BxMxGxK, v_BxMxGxK, scale):
@@ -142,18 +143,18 @@ class MLP(nnx.Module):
     self.ngpt_input_scale = math.sqrt(d) if ngpt else 1.0
 
   def __call__(self, x_BxLxD, perturb=None):
-    up = Attention._apply(self.up_out_norm, self.up(x_BxLxD, perturb))
+    up = _apply_optional(self.up_out_norm, self.up(x_BxLxD, perturb))
     if self.s_up is not None:
       up = up * self.s_up().astype(up.dtype)
     if self.gated:
-      gate = Attention._apply(self.gate_out_norm, self.gate(x_BxLxD, perturb))
+      gate = _apply_optional(self.gate_out_norm, self.gate(x_BxLxD, perturb))
       if self.s_gate is not None:
         # nGPT: the gate sees unit-norm rows, so sqrt(d) restores the SiLU's working range.
         gate = gate * (self.s_gate() * self.ngpt_input_scale).astype(gate.dtype)
       hidden = jax.nn.silu(gate) * up
     else:
       hidden = jax.nn.gelu(up * self.ngpt_input_scale, approximate=True)
-    return Attention._apply(self.down_out_norm, self.down(hidden, perturb))
+    return _apply_optional(self.down_out_norm, self.down(hidden, perturb))
 
 
 class Block(nnx.Module):
@@ -188,19 +189,13 @@ class Block(nnx.Module):
 
   def __call__(self, x_BxLxD, perturb=None):
     update = placements.get_placement(self.spec.placement).update
-    x_BxLxD = _tap_stream(perturb, f"blocks.{self.layer - 1}.input", x_BxLxD)
+    x_BxLxD = tap(perturb, f"blocks.{self.layer - 1}.input", x_BxLxD)
     attn_norms = placements.SublayerNorms(self.attn_in_norm, self.attn_out_norm)
     x_BxLxD = update(x_BxLxD, lambda h: self.attn(h, perturb), attn_norms,
                      self._context(1, self.attn_alpha))
     mlp_norms = placements.SublayerNorms(self.mlp_in_norm, self.mlp_out_norm)
     return update(x_BxLxD, lambda h: self.mlp(h, perturb), mlp_norms,
                   self._context(2, self.mlp_alpha))
-
-
-def _tap_stream(perturb, name, x):
-  if perturb and name in perturb:
-    return x + perturb[name].astype(x.dtype)
-  return x
 
 
 class Transformer(nnx.Module):

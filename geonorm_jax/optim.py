@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from geonorm_jax import metrics
+from geonorm_jax import paths
 
 SCHEDULES = ("cosine", "wsd", "constant")
 
@@ -56,7 +56,7 @@ def parse_multipliers(text):
 
 def _leaf_map(fn, params):
   """fn(path string) for every array of params, keeping the params' structure."""
-  return jax.tree_util.tree_map_with_path(lambda p, _: fn(metrics.path_to_string(p)), params)
+  return jax.tree_util.tree_map_with_path(lambda p, _: fn(paths.path_to_string(p)), params)
 
 
 def multiplier_tree(params, text):

@@ -161,7 +161,7 @@ def make_stream_stats(setup):
     _, streams = nnx.merge(graphdef, params)(tokens_AxBxL1[0, :, :-1], return_streams=True)
     out = metrics.residual_stats(streams)
     for index in range(len(streams) - 1):
-      out[f"stream_angle/layer_{index:02d}"] = metrics.geodesic_angle(streams[index],
+      out[f"stream_angle/layer_{index:02d}"] = metrics.angle_between(streams[index],
                                                                       streams[index + 1])
     return out
   return jax.jit(stats, in_shardings=(setup.state_shardings["params"], setup.batch_sharding))

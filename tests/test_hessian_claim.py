@@ -33,7 +33,7 @@ NUM_STEPS = 20
 def scale_map(params, prefix, c):
   """params with the kernel and bias of the linear map `prefix` multiplied by c."""
   def scale(path, leaf):
-    name = hessian.path_to_str(path)
+    name = hessian.path_to_string(path)
     if name in (prefix + ".kernel", prefix + ".bias"):
       return leaf * c
     return leaf

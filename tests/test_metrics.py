@@ -154,28 +154,28 @@ def _rotated_pair(angle, dim=64, seed=0):
   return 3.0 * e1, 0.5 * (np.cos(angle) * e1 + np.sin(angle) * e2)
 
 
-def test_geodesic_angle_known_angles():
+def test_angle_between_known_angles():
   before, after = _rotated_pair(0.3)
   # Tokens on leading axes: the mean over (batch, length) of identical angles.
   x = jnp.asarray(np.broadcast_to(before, (2, 3, 64)), jnp.float32)
   y = jnp.asarray(np.broadcast_to(after, (2, 3, 64)), jnp.float32)
-  np.testing.assert_allclose(metrics.geodesic_angle(x, y), 0.3, rtol=1e-5)
-  np.testing.assert_allclose(metrics.geodesic_angle(x, -x), np.pi, rtol=1e-5)
+  np.testing.assert_allclose(metrics.angle_between(x, y), 0.3, rtol=1e-5)
+  np.testing.assert_allclose(metrics.angle_between(x, -x), np.pi, rtol=1e-5)
   # In float32 arccos(cos(1e-4)) is 0; the atan2 form must still resolve it.
   small_before, small_after = _rotated_pair(1e-4, seed=1)
-  small = metrics.geodesic_angle(
+  small = metrics.angle_between(
       jnp.asarray(small_before, jnp.float32), jnp.asarray(small_after, jnp.float32)
   )
   np.testing.assert_allclose(small, 1e-4, rtol=1e-2)
 
 
-def test_geodesic_angle_nan_free_for_identical_vectors():
+def test_angle_between_nan_free_for_identical_vectors():
   x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 16)), jnp.float32)
-  value_and_grads = jax.value_and_grad(metrics.geodesic_angle, argnums=(0, 1))
+  value_and_grads = jax.value_and_grad(metrics.angle_between, argnums=(0, 1))
   value, (grad_before, grad_after) = value_and_grads(x, x)
   assert float(value) == 0.0
   assert np.all(np.isfinite(grad_before)) and np.all(np.isfinite(grad_after))
-  zero_value, zero_grad = jax.value_and_grad(metrics.geodesic_angle)(jnp.zeros((3, 16)), x[:3])
+  zero_value, zero_grad = jax.value_and_grad(metrics.angle_between)(jnp.zeros((3, 16)), x[:3])
   assert float(zero_value) == 0.0 and np.all(np.isfinite(zero_grad))
 
 

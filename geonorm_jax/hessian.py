@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 import optax
 
-from geonorm_jax.paths import leaf_paths, path_to_string
+from geonorm_jax.paths import path_to_string
 
 PyTree = Any
 Matvec = Callable[[PyTree], PyTree]

@@ -8,7 +8,6 @@ Softmax, norm statistics and logits are float32.
 `perturb` is a dict {tap name: array} added at named activations (a zero perturbation there
 gives the Hessian w.r.t. that activation); taps are `<linear name>.in` and `<linear name>.out`.
 """
-import math
 
 import jax
 import jax.numpy as jnp

@@ -6,7 +6,7 @@ import pytest
 
 from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
-from geonorm_jax import optim, sharding, train
+from geonorm_jax import optim, train
 
 SMALL = ("tiny,num_layers=2,d_model=32,num_heads=4,seq_len=32,max_seq_len=32,batch_size=16,"
          "train.progress_bar=false,warmup_steps=2,steps=10,lr=3e-3")

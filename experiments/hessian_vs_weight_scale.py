@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from geonorm_jax import config as config_lib  # noqa: E402
-from geonorm_jax import hessian, losses, metrics, train  # noqa: E402
+from geonorm_jax import hessian, losses, metrics, paths, train  # noqa: E402
 
 OUT_DIR = REPO_ROOT / "results" / "hessian_vs_weight_scale"
 RUN_DIR = REPO_ROOT / "runs" / "hessian_vs_weight_scale"
@@ -107,7 +107,7 @@ def simplenorm_prenorm_scale(setup, params, tokens_BxL1):
 
 def linear_paths(params):
   pattern = re.compile(LINEAR)
-  return [p for p in hessian.leaf_paths(params) if pattern.search(p)]
+  return [p for p in paths.leaf_paths(params) if pattern.search(p)]
 
 
 def in_scope(path, maps):
@@ -131,7 +131,7 @@ def make_measure(setup, tokens_BxL1):
 
   def measure(params, scales, mask, key):
     def scale(path, leaf):
-      factor = scales.get(hessian.path_to_string(path))
+      factor = scales.get(paths.path_to_string(path))
       return leaf if factor is None else leaf * factor
     scaled = jax.tree_util.tree_map_with_path(scale, params)
     out = {}

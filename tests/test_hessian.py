@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from geonorm_jax import hessian
+from geonorm_jax import hessian, paths
 
 # ----------------------------------------------------------------------------------------
 # Fixtures: a tiny tanh MLP with cross-entropy (264 parameters) and known-spectrum matrices.
@@ -348,10 +348,10 @@ def test_subset_matvec_is_dense_block(mlp, select):
   assert sorted(like) == ["dense2.bias", "dense2.kernel"]
   # Indices of the selected leaves in the full ravel order, in the subset's ravel order.
   offsets, start = {}, 0
-  for path, leaf in zip(hessian.leaf_paths(params), jax.tree.leaves(params)):
+  for path, leaf in zip(paths.leaf_paths(params), jax.tree.leaves(params)):
     offsets[path] = np.arange(start, start + leaf.size)
     start += leaf.size
-  index = np.concatenate([offsets[path] for path in hessian.leaf_paths(like)])
+  index = np.concatenate([offsets[path] for path in paths.leaf_paths(like)])
   got = materialize(matvec, like)
   assert rel_frobenius(got, hess_NxN[np.ix_(index, index)]) < 1e-5
 

@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from geonorm_jax import config as config_lib
-from geonorm_jax import hessian, losses, model as model_lib
+from geonorm_jax import hessian, losses, paths, model as model_lib
 
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 TINY = ("tiny,num_layers=2,d_model=16,num_heads=2,d_ff=32,vocab_size=32,max_seq_len=8,"
@@ -33,7 +33,7 @@ NUM_STEPS = 20
 def scale_map(params, prefix, c):
   """params with the kernel and bias of the linear map `prefix` multiplied by c."""
   def scale(path, leaf):
-    name = hessian.path_to_string(path)
+    name = paths.path_to_string(path)
     if name in (prefix + ".kernel", prefix + ".bias"):
       return leaf * c
     return leaf

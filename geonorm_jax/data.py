@@ -579,11 +579,12 @@ def _check_choice(field: str, value, choices: Sequence[str]) -> None:
 
 
 def _check_batch_divisible(config, process_count, data_parallel_size) -> None:
+  """The global batch splits over processes and into train.grad_accum micro-batches, and each
+  micro-batch splits over the data-parallel mesh axes."""
   batch_size = config.data.batch_size
   if batch_size < 1:
     raise ValueError(f"data.batch_size={batch_size} must be >= 1")
   for what, divisor in (("the process count", process_count),
-                        ("the data-parallel mesh size", data_parallel_size),
                         ("train.grad_accum", config.train.grad_accum)):
     if divisor is None:
       continue
@@ -593,6 +594,12 @@ def _check_batch_divisible(config, process_count, data_parallel_size) -> None:
       raise ValueError(
           f"data.batch_size={batch_size} (global batch) is not divisible by {what} "
           f"({divisor})")
+  micro_batch = batch_size // config.train.grad_accum
+  if data_parallel_size is not None and micro_batch % data_parallel_size:
+    raise ValueError(
+        f"data.batch_size={batch_size} gives micro-batches of {micro_batch} "
+        f"(train.grad_accum={config.train.grad_accum}), not divisible by the data-parallel "
+        f"mesh size ({data_parallel_size}), i.e. mesh.data x mesh.fsdp")
 
 
 def _check_split_length(tokens, split_name: str, seq_len: int) -> None:

@@ -54,14 +54,7 @@ def validate(config, num_devices=None):
   for field in ("steps", "grad_accum", "eval_every", "eval_batches", "log_every"):
     if getattr(train, field) <= 0:
       raise ValueError(f"train.{field}={getattr(train, field)} must be positive")
-  micro = config.data.batch_size // max(train.grad_accum, 1)
-  if config.data.batch_size % train.grad_accum or micro % dp:
-    raise ValueError(f"data.batch_size={config.data.batch_size} must split into "
-                     f"train.grad_accum={train.grad_accum} micro-batches, each divisible by the "
-                     f"data-parallel size {dp} (mesh.data x mesh.fsdp)")
-  if config.data.seq_len > config.model.max_seq_len:
-    raise ValueError(f"data.seq_len={config.data.seq_len} is longer than "
-                     f"model.max_seq_len={config.model.max_seq_len}")
+  # Batch splits and seq_len against the model's positions are checked with the data.
   data_lib.validate_data_config(config, process_count=jax.process_count(), data_parallel_size=dp)
   return spec
 

@@ -109,6 +109,7 @@ def test_paper_sizes_lower_on_a_sharded_mesh(size, mesh):
     ("batch_size=12,mesh.data=8", "data.batch_size"),
     ("seq_len=64", "data.seq_len"),
     ("grad_accum=3", "data.batch_size"),
+    ("grad_accum=4,mesh.data=8", "micro-batches of 4"),
     ("schedule=linear", "train.schedule"),
     ("mesh.data=3", "mesh"),
     ("mesh.rules=embed=pipeline", "mesh.rules"),

@@ -16,15 +16,12 @@ import os
 import pathlib
 import platform
 import statistics
-import sys
 import time
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Run as a plain script from anywhere: the package is not pip-installed in the venv.
-sys.path.insert(0, str(REPO_ROOT))
+from geonorm_jax import config as config_lib
+from geonorm_jax import data
 
-from geonorm_jax import config as config_lib  # noqa: E402
-from geonorm_jax import data  # noqa: E402
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 OUTPUT = REPO_ROOT / "results" / "bench" / "data.json"
 TIMED_RUNS = 7

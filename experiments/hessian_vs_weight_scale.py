@@ -40,16 +40,15 @@ import re
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from geonorm_jax import config as config_lib
+from geonorm_jax import hessian, losses, metrics, paths, train
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from geonorm_jax import config as config_lib  # noqa: E402
-from geonorm_jax import hessian, losses, metrics, paths, train  # noqa: E402
 
 OUT_DIR = REPO_ROOT / "results" / "hessian_vs_weight_scale"
 RUN_DIR = REPO_ROOT / "runs" / "hessian_vs_weight_scale"

@@ -118,6 +118,33 @@ def activation_matvec(loss_of_perturbation: Callable[[PyTree], jax.Array],
   return lambda vector: jax.jvp(grad_fn, (zeros,), (vector,))[1]
 
 
+def accumulated_matvec(make_matvec, tokens_KxBxL1, weights_K=None):
+  """v -> sum_k w_k make_matvec(tokens[k])(v) / sum_k w_k, over micro-batches in a lax.scan.
+
+  `make_matvec(tokens_BxL1)` builds the matvec of one micro-batch; it is traced inside the
+  scan body, so only one micro-batch's HVP intermediates are live at a time (and the
+  HVP is compiled once, however many micro-batches there are). Equal weights by default;
+  pass token counts to get the Hessian of the token-weighted mean loss.
+  """
+  count = tokens_KxBxL1.shape[0]
+  if weights_K is None:
+    weights_K = jnp.ones((count,), jnp.float32)
+  weights_K = jnp.asarray(weights_K, jnp.float32)
+  weights_K = weights_K / jnp.sum(weights_K)
+
+  def matvec(vector):
+    def body(total, inputs):
+      tokens_BxL1, weight = inputs
+      hv = make_matvec(tokens_BxL1)(vector)
+      return jax.tree.map(lambda t, h: t + weight.astype(h.dtype) * h, total, hv), None
+
+    zeros = jax.tree.map(jnp.zeros_like, vector)
+    total, _ = lax.scan(body, zeros, (tokens_KxBxL1, weights_K))
+    return total
+
+  return matvec
+
+
 def multi_batch_matvec(
     loss_fn: Callable[[PyTree, Any], jax.Array],
     params: PyTree,

@@ -25,42 +25,9 @@ seen by Adam's preconditioner. Per-parameter LR multipliers are: the effective
 preconditioner of a parameter with multiplier m is P / m.
 """
 import jax
-from jax import lax
 import jax.numpy as jnp
-from flax import nnx
 
 from geonorm_jax import hessian, losses, optim
-
-
-def _micro_loss(graphdef):
-  return lambda params, tokens_BxL1: losses.lm_loss(nnx.merge(graphdef, params), tokens_BxL1)
-
-
-def accumulated_matvec(make_matvec, tokens_KxBxL1, weights_K=None):
-  """v -> sum_k w_k make_matvec(tokens[k])(v) / sum_k w_k, over micro-batches in a lax.scan.
-
-  `make_matvec(tokens_BxL1)` builds the matvec of one micro-batch; it is traced inside the
-  scan body, so only one micro-batch's HVP intermediates are live at a time (and the
-  HVP is compiled once, however many micro-batches there are). Equal weights by default;
-  pass token counts to get the Hessian of the token-weighted mean loss.
-  """
-  count = tokens_KxBxL1.shape[0]
-  if weights_K is None:
-    weights_K = jnp.ones((count,), jnp.float32)
-  weights_K = jnp.asarray(weights_K, jnp.float32)
-  weights_K = weights_K / jnp.sum(weights_K)
-
-  def matvec(vector):
-    def body(total, inputs):
-      tokens_BxL1, weight = inputs
-      hv = make_matvec(tokens_BxL1)(vector)
-      return jax.tree.map(lambda t, h: t + weight.astype(h.dtype) * h, total, hv), None
-
-    zeros = jax.tree.map(jnp.zeros_like, vector)
-    total, _ = lax.scan(body, zeros, (tokens_KxBxL1, weights_K))
-    return total
-
-  return matvec
 
 
 def block_select(index):
@@ -88,7 +55,7 @@ def make_hessian_logger(setup, seed=0):
   per_block = bool(train_config.hessian_per_block)
   num_layers = setup.spec.num_layers
   b1 = float(train_config.b1)
-  micro_loss = _micro_loss(setup.graphdef)
+  micro_loss = losses.params_loss(setup.graphdef)
   base_key = jax.random.key(seed)
 
   def lanczos_top(matvec, like, key):
@@ -98,7 +65,7 @@ def make_hessian_logger(setup, seed=0):
   def compute(state, tokens_AxBxL1, step):
     params = state["params"]
     keys = jax.random.split(jax.random.fold_in(base_key, step), 2 + num_layers)
-    full = accumulated_matvec(
+    full = hessian.accumulated_matvec(
         lambda tokens: hessian.params_matvec(micro_loss, params, tokens), tokens_AxBxL1)
     out = {}
     out["lambda_max"], out["lambda_max_bound"], out["lambda_min"] = lanczos_top(
@@ -114,7 +81,7 @@ def make_hessian_logger(setup, seed=0):
       for index in range(num_layers):
         select = block_select(index)
         _, like = hessian.subset_matvec(micro_loss, params, select, tokens_AxBxL1[0])
-        block = accumulated_matvec(
+        block = hessian.accumulated_matvec(
             lambda tokens, s=select: hessian.subset_matvec(micro_loss, params, s, tokens)[0],
             tokens_AxBxL1)
         out[f"lambda_max/blocks.{index}"] = lanczos_top(block, like, keys[2 + index])[0]

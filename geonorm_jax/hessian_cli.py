@@ -23,9 +23,8 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from geonorm_jax import hessian, hessian_callback, losses, train
+from geonorm_jax import hessian, losses, train
 from geonorm_jax import model as model_lib
 
 GRID_POINTS = 2048
@@ -49,12 +48,11 @@ def _stacked_micro_batches(setup, num_batches):
 
 def _analyse(graphdef, params, tokens_KxBxL1, *, num_steps, num_probes, top_k, key):
   """Everything in one jitted function: Lanczos, then SLQ on a grid from its range."""
-  micro_loss = lambda p, t: losses.lm_loss(nnx.merge(graphdef, p), t)
-  # lm_loss has no mask: every micro-batch predicts b * L tokens.
-  tokens_per_batch = tokens_KxBxL1.shape[1] * (tokens_KxBxL1.shape[2] - 1)
-  weights_K = jnp.full((tokens_KxBxL1.shape[0],), tokens_per_batch, jnp.float32)
-  matvec = hessian_callback.accumulated_matvec(
-      lambda t: hessian.params_matvec(micro_loss, params, t), tokens_KxBxL1, weights_K)
+  micro_loss = losses.params_loss(graphdef)
+  # lm_loss has no mask, so every micro-batch predicts b * L tokens: the token-weighted mean
+  # is the equal-weighted one.
+  matvec = hessian.accumulated_matvec(
+      lambda t: hessian.params_matvec(micro_loss, params, t), tokens_KxBxL1)
   lanczos_key, slq_key, hutch_key = jax.random.split(key, 3)
   result = hessian.lanczos(matvec, params, num_steps, lanczos_key)
   top, bottom = result.ritz_values[0], result.ritz_values[-1]
@@ -65,8 +63,7 @@ def _analyse(graphdef, params, tokens_KxBxL1, *, num_steps, num_probes, top_k, k
   density = hessian.spectral_density(matvec, params, num_steps, num_probes, slq_key, grid,
                                      sigma)
   trace = hessian.hutchinson_trace(matvec, params, num_probes, hutch_key)
-  loss = jnp.average(jax.vmap(lambda t: micro_loss(params, t))(tokens_KxBxL1),
-                     weights=weights_K)
+  loss = jnp.mean(jax.vmap(lambda t: micro_loss(params, t))(tokens_KxBxL1))
   return {
       "top": result.ritz_values[:top_k], "top_bounds": result.residual_bounds[:top_k],
       "top_valid": result.valid[:top_k], "lambda_min": bottom,

@@ -1,6 +1,7 @@
 """Next-token cross-entropy in float32, with an optional mask."""
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 
 def cross_entropy(logits_BxLxV, targets_BxL, mask_BxL=None):
@@ -21,3 +22,8 @@ def lm_loss(model, tokens_BxL1, perturb=None):
   logits = model(tokens_BxL1[:, :-1], perturb=perturb)
   loss, _ = cross_entropy(logits, tokens_BxL1[:, 1:])
   return loss
+
+
+def params_loss(graphdef):
+  """(params, tokens_BxL1) -> lm_loss: the loss as a function of a split model's parameters."""
+  return lambda params, tokens_BxL1: lm_loss(nnx.merge(graphdef, params), tokens_BxL1)

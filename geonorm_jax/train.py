@@ -87,13 +87,9 @@ def init_state(setup, seed=None):
   return jax.jit(init, out_shardings=setup.state_shardings)()
 
 
-def _loss(graphdef, params, tokens_BxL1):
-  return losses.lm_loss(nnx.merge(graphdef, params), tokens_BxL1)
-
-
 def _accumulated_grads(graphdef, params, tokens_AxBxL1):
   """Mean loss and gradient over the A micro-batches, accumulated in a lax.scan."""
-  grad_fn = jax.value_and_grad(lambda p, t: _loss(graphdef, p, t))
+  grad_fn = jax.value_and_grad(losses.params_loss(graphdef))
   if tokens_AxBxL1.shape[0] == 1:
     return grad_fn(params, tokens_AxBxL1[0])
 
@@ -139,7 +135,8 @@ def make_eval_step(setup):
   graphdef = setup.graphdef
 
   def eval_step(params, tokens_AxBxL1):
-    return jnp.mean(jax.lax.map(lambda t: _loss(graphdef, params, t), tokens_AxBxL1))
+    loss_fn = losses.params_loss(graphdef)
+    return jnp.mean(jax.lax.map(lambda t: loss_fn(params, t), tokens_AxBxL1))
   return jax.jit(eval_step, in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
 
 

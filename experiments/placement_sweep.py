@@ -13,7 +13,7 @@ import shutil
 import time
 
 from geonorm_jax import config as config_lib
-from geonorm_jax import placements, train
+from geonorm_jax import placements, report, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
@@ -58,12 +58,10 @@ def _write(rows, out_dir):
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
-  keys = list(rows[0])
-  lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-  lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
   with open(os.path.join(out_dir, "results.md"), "w") as f:
     f.write("Tiny model, character-level tinyshakespeare, batch 16 x 128, cosine schedule, "
-            "one seed (experiments/placement_sweep.py).\n\n" + "\n".join(lines) + "\n")
+            "one seed (experiments/placement_sweep.py).\n\n"
+            + report.markdown_table(rows, columns=list(rows[0])))
 
 
 if __name__ == "__main__":

@@ -66,10 +66,11 @@ def _format(value, column):
   return str(value)
 
 
-def markdown_table(rows):
-  lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+def markdown_table(rows, columns=COLUMNS):
+  """A markdown table of dict rows; the comparison's own columns get their number formats."""
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   for row in rows:
-    lines.append("| " + " | ".join(_format(row[c], c) for c in COLUMNS) + " |")
+    lines.append("| " + " | ".join(_format(row[c], c) for c in columns) + " |")
   return "\n".join(lines) + "\n"
 
 

@@ -53,7 +53,7 @@ def main():
   tokens_per_s = args.steps * args.batch_size * args.seq_len / elapsed
   device = jax.devices()[0]
   peak = metrics.device_peak_flops(device.device_kind, args.dtype, config.train.peak_flops)
-  flops = train.flops_per_token(setup.spec, args.seq_len)
+  flops = train.flops_per_token(setup, args.seq_len)
   result = {
       "device_kind": device.device_kind, "num_devices": jax.device_count(),
       "size": args.size, "placement": args.placement, "dtype": args.dtype,

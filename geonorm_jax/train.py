@@ -179,11 +179,13 @@ def eval_batches(setup):
           for batch in data_lib.make_eval_batches(setup.config, data_parallel_size=dp)]
 
 
-def flops_per_token(spec, seq_len):
-  _, params = model_lib.abstract_params(spec)
+def flops_per_token(setup, seq_len):
+  """6N + 12 L d T with N the non-embedding parameters (the setup's abstract params)."""
+  spec = setup.spec
   embedding = spec.vocab_size * spec.d_model + (spec.max_seq_len * spec.d_model
                                                 if spec.backbone == "gpt2" else 0)
-  return metrics.model_flops_per_token(model_lib.count_params(params) - embedding,
+  num_params = model_lib.count_params(setup.abstract_state["params"])
+  return metrics.model_flops_per_token(num_params - embedding,
                                        spec.num_layers, spec.d_model, seq_len)
 
 
@@ -245,7 +247,7 @@ def train(config, workdir):
   hessian_logger = hessian_callback.make_hessian_logger(setup) if hessian_every > 0 else None
   eval_arrays = eval_batches(setup)
   tokens_per_step = config.data.batch_size * config.data.seq_len
-  flops = flops_per_token(setup.spec, config.data.seq_len)
+  flops = flops_per_token(setup, config.data.seq_len)
   peak = metrics.device_peak_flops(jax.devices()[0].device_kind, config.model.dtype,
                                    config.train.peak_flops)
   bar = metrics.ProgressBar(config.train.steps, start_step=start,

@@ -14,7 +14,7 @@ Expected result: see README/results.
 """
 from geonorm_jax import config as config_lib
 
-_RUN = ("tiny,data.source=text,data.path=../shared/data/tinyshakespeare.txt,"
+_RUN = ("tiny,data.source=text,data.path=data/tinyshakespeare.txt,"
         "data.tokenizer=byte,data.seq_len=128,data.batch_size=16,train.steps=500,"
         "train.lr=3e-3,train.warmup_steps=50,train.eval_every=100,train.eval_batches=16,"
         "checkpoint.every=500")

@@ -56,7 +56,7 @@ TRAIN_STEPS = 300
 BASE = ("tiny,num_layers=2,d_model=64,num_heads=4,max_seq_len=64,seq_len=64,batch_size=16,"
         f"steps={TRAIN_STEPS},warmup_steps=30,lr=1e-3,eval_every={TRAIN_STEPS},"
         f"eval_batches=1,log_every=50,progress_bar=false,checkpoint.every={TRAIN_STEPS},"
-        "keep_last=1,async_save=false,")
+        "keep_last=1,async_save=false,tie_embeddings=true,")  # as results/ were made
 PLACEMENTS = {
     "pre": "placement=pre",
     "pre_qk_norm": "placement=pre,qk_norm=true",

@@ -1,68 +1,92 @@
-"""Why do some placements sit at the unigram loss early on? Per-layer statistics, 150 steps.
+"""What happens inside the placements that stall: per-layer statistics over training.
 
-  python experiments/stream_probe.py [--placements=geonorm,pre,post] [--lr=3e-3]
+  python experiments/stream_probe.py [--variants=pre,post,deepnorm,mixln,geonorm,dyt]
+      [--ties=true,false] [--lr=1e-3] [--seeds=0,1,2] [--jobs=1]
 
-Trains the tiny model on character-level tinyshakespeare (the placement sweep's recipe) with
-per-layer statistics every 50 steps, and writes results/stream_probe/{results.json,results.md}:
-the angle each block turns the residual stream (stream_angle), the stream's RMS after each
-block, and the gradient norm per block at the last step.
+Uses the placement sweep's runs (same names, same root: finished runs are reused, missing
+ones are trained) and reads their per-layer statistics (logged every train.layer_stats_every
+steps): the collapse diagnostics (token cosine of the head inputs, logit spread), the residual
+stream's RMS after each block, the angle each block turns the stream, and the gradient norm
+per block at the last step. Writes results/stream_probe/{results.json, table.md}.
 """
 import argparse
 import json
 import os
-import shutil
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import metrics, train
+import numpy as np
+
+from geonorm_jax import metrics, sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
+CONFIG_FILE = "configs/shakespeare.py"
 
 
 def _layer_values(row, prefix):
-  return [round(row[k], 4) for k in sorted(k for k in row if k.startswith(prefix + "/layer_"))]
+  return [row[k] for k in sorted(k for k in row if k.startswith(prefix + "/layer_"))]
+
+
+def _probe(run):
+  rows = metrics.read_metrics(run.workdir)
+  layers = [r for r in rows if r["split"] == "layers"]
+  last_train = [r for r in rows if r["split"] == "train" and "grad_norm/layer_00" in r][-1]
+  return {
+      "steps": [r["step"] for r in layers],
+      "token_cosine": [r["collapse/token_cosine"] for r in layers],
+      "logit_spread": [r["collapse/logit_spread"] for r in layers],
+      "residual_rms_last_check": _layer_values(layers[-1], "residual_rms"),
+      "stream_angle_last_check": _layer_values(layers[-1], "stream_angle"),
+      "grad_norm_per_block_last_step": [last_train[k] for k in sorted(last_train)
+                                        if k.startswith("grad_norm/layer_")],
+      "final_eval_loss": (run.summary() or {}).get("final_eval_loss"),
+  }
+
+
+def _mean(lists):
+  return np.mean(np.asarray(lists, float), axis=0).round(4).tolist()
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--placements", default="geonorm,pre,post")
-  parser.add_argument("--lr", default="3e-3")
+  sweep.add_arguments(parser, ("pre", "post", "deepnorm", "mixln", "geonorm", "dyt"),
+                      root="runs/placement_sweep")
+  parser.add_argument("--ties", default="true,false")
+  parser.add_argument("--lr", default="1e-3")
   parser.add_argument("--steps", type=int, default=150)
-  parser.add_argument("--workdir", default="/tmp/stream_probe")
+  parser.add_argument("--out", default=os.path.join(REPO, "results", "stream_probe"))
   args = parser.parse_args()
+  runs = sweep.placement_grid(args.variants.split(","), args.ties.split(","), [args.lr],
+                              list(map(int, args.seeds.split(","))), args.steps, CONFIG_FILE,
+                              args.root)
+  sweep.execute(args, runs)
+  grouped = {}
+  for run in runs:
+    if run.summary() is not None:
+      labels = dict(run.labels)
+      grouped.setdefault(f"{labels['variant']}/{labels['head']}", []).append(_probe(run))
   results = {}
-  for placement in args.placements.split(","):
-    workdir = os.path.join(args.workdir, placement)
-    shutil.rmtree(workdir, ignore_errors=True)
-    config = config_lib.get_config(
-        f"tiny,data.source=text,data.path={DATA},steps={args.steps},lr={args.lr},"
-        f"warmup_steps={args.steps // 10},eval_every={args.steps},eval_batches=8,"
-        f"checkpoint.every={args.steps},progress_bar=false,layer_stats_every=50,"
-        f"placement={placement}")
-    summary = train.train(config, workdir)
-    rows = metrics.read_metrics(workdir)
-    layers = [r for r in rows if r["split"] == "layers"]
-    last_train = [r for r in rows if r["split"] == "train" and "grad_norm/layer_00" in r][-1]
-    results[placement] = {
-        "final_eval_loss": summary["final_eval_loss"],
-        "stream_angle": {r["step"]: _layer_values(r, "stream_angle") for r in layers},
-        "residual_rms": {r["step"]: _layer_values(r, "residual_rms") for r in layers},
-        "grad_norm_per_block_last_step": _layer_values(last_train, "grad_norm"),
-    }
-  out_dir = os.path.join(REPO, "results", "stream_probe")
-  os.makedirs(out_dir, exist_ok=True)
-  with open(os.path.join(out_dir, "results.json"), "w") as f:
-    json.dump({"lr": args.lr, "steps": args.steps, "placements": results}, f, indent=2)
-  lines = [f"Tiny model, tinyshakespeare, lr {args.lr}, {args.steps} steps "
-           "(experiments/stream_probe.py). Angles in radians per block; gradient norms per block "
-           "at the last step.", "",
-           "| placement | eval loss | stream angle per block (step 0 -> 50 -> 100) | "
-           "grad norm per block (last step) |", "|---|---|---|---|"]
-  for placement, r in results.items():
-    angles = " -> ".join(str(v) for v in r["stream_angle"].values())
-    lines.append(f"| {placement} | {r['final_eval_loss']:.4f} | {angles} | "
+  for key, probes in grouped.items():
+    results[key] = {"seeds": len(probes), "steps": probes[0]["steps"],
+                    **{field: _mean([p[field] for p in probes]) for field in
+                       ("token_cosine", "logit_spread", "residual_rms_last_check",
+                        "stream_angle_last_check", "grad_norm_per_block_last_step",
+                        "final_eval_loss")}}
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump({"lr": args.lr, "steps": args.steps, "seeds": args.seeds, "runs": results}, f,
+              indent=2)
+  lines = [f"Tiny model, tinyshakespeare (`{CONFIG_FILE}` cut to {args.steps} steps), lr "
+           f"{args.lr}, means over seeds {args.seeds} (experiments/stream_probe.py). Token "
+           "cosine of the head inputs at each check (1.0 = collapsed); residual RMS after the "
+           "embedding and each block, angle (radians) each block turns the stream, both at the "
+           "last check; gradient norm per block at the last step.", "",
+           "| variant/head | eval loss | token cosine over checks | residual RMS | block angle "
+           "| grad norm per block |", "|---|---|---|---|---|---|"]
+  for key, r in results.items():
+    lines.append(f"| {key} | {r['final_eval_loss']:.3f} | "
+                 f"{' -> '.join(f'{v:.2f}' for v in r['token_cosine'])} | "
+                 f"{r['residual_rms_last_check']} | {r['stream_angle_last_check']} | "
                  f"{r['grad_norm_per_block_last_step']} |")
-  with open(os.path.join(out_dir, "results.md"), "w") as f:
+  with open(os.path.join(args.out, "table.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   print("\n".join(lines))
 

@@ -36,7 +36,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   model.remat = False  # rematerialise each block in the backward pass
   # GeoNorm
   model.geo_alpha = 1.0
-  model.geo_schedule = "harmonic"  # constant | harmonic | sqrt | linear
+  model.geo_schedule = "harmonic"  # constant | harmonic | sqrt | linear | linear_paper
   model.geo_counter = "blocks"  # blocks (k=l) | sublayers (k=1..2T)
   model.geo_theta_max = 0.0  # clamp on the geodesic angle; 0 = none
   model.geo_sublayer_input = "norm"  # norm: F reads N(x) | raw: F reads x
@@ -44,7 +44,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   # Mix-LN, nGPT, DyT
   model.mixln_fraction = 0.25
   model.ngpt_alpha_init = 0.05
-  model.dyt_alpha_init = 0.5
+  # DyT's alpha at init per site; 0 = the DyT authors' LLaMA value for this width (see spec.py)
+  model.dyt_alpha_attn = 0.0
+  model.dyt_alpha_ffn = 0.0
+  model.dyt_alpha_final = 0.0
 
   data = config.data = ml_collections.ConfigDict()
   data.source = "builtin"  # builtin | text | nanogpt_bin | fineweb_bin | array_record
@@ -76,7 +79,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   train.eval_every = 100
   train.eval_batches = 8
   train.log_every = 10
-  train.layer_stats_every = 0  # per-layer statistics every N steps; 0 = off
+  # Per-layer statistics and collapse diagnostics (geonorm_jax/collapse.py) every N steps
+  # (one forward pass on one micro-batch); 0 = off, which also turns off the collapse warning.
+  train.layer_stats_every = 25
   train.hessian_every = 0  # top Hessian eigenvalue every N steps; 0 = off
   train.hessian_steps = 20
   train.hessian_per_block = False
@@ -107,7 +112,10 @@ _GPT2_ARCH = dict(backbone="gpt2", vocab_size=50257, max_seq_len=1024)
 _LLAMA2_ARCH = dict(backbone="llama", vocab_size=32000, max_seq_len=4096)
 SIZES = {
     # Trains on a 2-core CPU in minutes; byte-level vocabulary.
-    "tiny": dict(model=dict(num_layers=4, d_model=128, num_heads=4, max_seq_len=256),
+    # Untied head: with a tied 256-byte embedding, Post-LN, DeepNorm, Mix-LN and GeoNorm collapse
+    # to the unigram loss at this size (results/tie_embeddings/), which is not what their papers test.
+    "tiny": dict(model=dict(num_layers=4, d_model=128, num_heads=4, max_seq_len=256,
+                            tie_embeddings="false"),
                  data=dict(seq_len=128, batch_size=16)),
     "gpt2_124m": dict(model=dict(num_layers=12, d_model=768, num_heads=12, **_GPT2_ARCH)),
     "gpt2_350m": dict(model=dict(num_layers=24, d_model=1024, num_heads=16, **_GPT2_ARCH)),
@@ -185,6 +193,12 @@ def get_config(arg=None):
   return config
 
 
+# Keys that older versions saved: each maps to the keys that now carry its meaning.
+RETIRED_KEYS = {
+    "model.dyt_alpha_init": ("model.dyt_alpha_attn", "model.dyt_alpha_ffn", "model.dyt_alpha_final"),
+}
+
+
 def from_dict(saved):
   """A saved run's config (config.json) laid over the base, so keys added since get defaults."""
   config = get_base_config()
@@ -193,6 +207,11 @@ def from_dict(saved):
       raise ValueError(f"saved config has an unknown section {section!r}")
     if isinstance(values, dict):
       for key, value in values.items():
+        for new_key in RETIRED_KEYS.get(f"{section}.{key}", ()):
+          new_section, new_name = new_key.split(".")
+          config[new_section][new_name] = value
+        if f"{section}.{key}" in RETIRED_KEYS:
+          continue
         if key not in config[section]:
           raise ValueError(f"saved config has an unknown key {section}.{key}")
         config[section][key] = value

@@ -11,30 +11,51 @@ from flax import nnx
 from geonorm_jax import norms
 
 RESIDUAL_OUTPUTS = ("o", "down")
+BLOCK_MATRICES = ("q", "k", "v", "o", "up", "gate", "down")
+
+
+def matrix_shape(spec, role):
+  """(fan_in, fan_out) of a block matrix."""
+  d, f = spec.d_model, spec.d_ff
+  q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+  return {"q": (d, q_width), "k": (d, kv_width), "v": (d, kv_width), "o": (q_width, d),
+          "up": (d, f), "gate": (d, f), "down": (f, d)}[role]
+
+
+def xavier_normal_std(spec, role, gain):
+  fan_in, fan_out = matrix_shape(spec, role)
+  return gain * math.sqrt(2.0 / (fan_in + fan_out))
 
 
 def init_std(spec, role, layer=None):
   """Standard deviation of the normal init of one weight, per the placement's paper or code."""
   base = spec.init_std
   if spec.placement == "simplenorm":
-    # Ocram7/SimpleGPT: embedding N(0,1), head d^-1/2, the matrices that write into the
-    # stream (W_o, W_2) and W_3 (SwiGLU's up) scaled by 1/sqrt(2l).
-    if role == "embed" and not spec.tie_embeddings:
-      return 1.0
-    if role == "head":
-      return spec.d_model ** -0.5
-    if role in ("o", "down", "up") and layer is not None:
-      return base / math.sqrt(2 * layer)
-    return base
-  if role in ("embed", "positions", "head", "q", "k"):
-    return base
-  std = base
+    return _simplenorm_std(spec, role, layer)
+  if spec.placement == "deepnorm" and role in BLOCK_MATRICES:
+    # DeepNet (Wang et al. 2022, Fig. 2 pseudocode): Xavier-normal with gain beta = (8T)^(-1/4)
+    # for W_v, W_o and the FFN matrices, gain 1 for W_q and W_k. (microsoft/torchscale uses a
+    # Xavier-uniform variant of the same scaling.)
+    gain = 1.0 if role in ("q", "k") else norms.deepnorm_beta(spec.num_layers)
+    return xavier_normal_std(spec, role, gain)
   if role in RESIDUAL_OUTPUTS:
-    std = base / math.sqrt(2 * spec.num_layers)  # GPT-2: residual writers scaled by depth
-  if spec.placement == "deepnorm":
-    # DeepNet: W_v, W_o and the MLP weights scaled by beta = (8T)^(-1/4); q, k untouched.
-    std = base * norms.deepnorm_beta(spec.num_layers)
-  return std
+    return base / math.sqrt(2 * spec.num_layers)  # GPT-2: residual writers scaled by depth
+  return base
+
+
+def _simplenorm_std(spec, role, layer):
+  """Ocram7/SimpleGPT: embedding N(0,1) when untied, head d^-1/2, and std/sqrt(2l) for the
+  matrices W_o, W_2 (down) and, in SwiGLU, W_3 (up: the factor multiplied by silu(W_1 h)).
+  A GELU MLP's first matrix is SwiGLU's W_1 and keeps the plain std."""
+  base = spec.init_std
+  if role == "embed" and not spec.tie_embeddings:
+    return 1.0
+  if role == "head":
+    return spec.d_model ** -0.5
+  depth_scaled = ("o", "down", "up") if spec.gated_mlp else ("o", "down")
+  if role in depth_scaled and layer is not None:
+    return base / math.sqrt(2 * layer)
+  return base
 
 
 def _embed_axis(variable):

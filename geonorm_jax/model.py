@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from geonorm_jax import init_rules, norms, placements
-from geonorm_jax.layers import Linear, NgptScale, Norm, apply_rope, param, rope_cos_sin, tap
+from geonorm_jax.layers import (Linear, NgptScale, Norm, apply_rope, constant, param,
+                                rope_cos_sin, tap)
 from geonorm_jax.spec import ModelSpec, resolve
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -23,10 +24,13 @@ def compute_dtype(spec):
   return _DTYPES[spec.dtype]
 
 
-def _stream_norm(spec, placement, width, axis_name):
+def _stream_norm(spec, placement, width, axis_name, site):
+  """A norm on the residual stream; `site` (attn, ffn, final) picks DyT's alpha_0."""
   kind = "dyt" if placement.stream_norm == "dyt" else spec.norm_kind
+  dyt_alpha = {"attn": spec.dyt_alpha_attn, "ffn": spec.dyt_alpha_ffn,
+               "final": spec.dyt_alpha_final}[site]
   return Norm(width, kind=kind, axis_name=axis_name, eps=spec.norm_eps, gain=spec.norm_gain,
-              bias=spec.norm_bias or kind == "dyt", dyt_alpha=spec.dyt_alpha_init)
+              bias=spec.norm_bias, dyt_alpha=dyt_alpha)
 
 
 def _inner_norm(spec, width, axis_name):
@@ -168,10 +172,11 @@ class Block(nnx.Module):
     has_in = placement.has_input_norm(layer, spec)
     has_out = placement.has_output_norm(layer, spec)
     d = spec.d_model
-    self.attn_in_norm = _maybe(has_in, lambda: _stream_norm(spec, placement, d, "embed"))
-    self.attn_out_norm = _maybe(has_out, lambda: _stream_norm(spec, placement, d, "embed"))
-    self.mlp_in_norm = _maybe(has_in, lambda: _stream_norm(spec, placement, d, "embed"))
-    self.mlp_out_norm = _maybe(has_out, lambda: _stream_norm(spec, placement, d, "embed"))
+    norm = lambda site: _stream_norm(spec, placement, d, "embed", site)
+    self.attn_in_norm = _maybe(has_in, lambda: norm("attn"))
+    self.attn_out_norm = _maybe(has_out, lambda: norm("attn"))
+    self.mlp_in_norm = _maybe(has_in, lambda: norm("ffn"))
+    self.mlp_out_norm = _maybe(has_out, lambda: norm("ffn"))
     ngpt_alpha = lambda: NgptScale(d, spec.ngpt_alpha_init, d ** -0.5, "embed")
     self.attn_alpha = _maybe(placement.is_ngpt, ngpt_alpha)
     self.mlp_alpha = _maybe(placement.is_ngpt, ngpt_alpha)
@@ -209,10 +214,13 @@ class Transformer(nnx.Module):
                        ("vocab", "embed"))
     self.positions = _maybe(spec.backbone == "gpt2", lambda: param(
         rngs, (spec.max_seq_len, d), init_rules.init_std(spec, "positions"), ("length", "embed")))
-    self.embed_norm = _maybe(spec.embed_norm, lambda: _stream_norm(spec, placement, d, "embed"))
+    self.embed_norm = _maybe(spec.embed_norm,
+                             lambda: _stream_norm(spec, placement, d, "embed", "attn"))
+    self.embed_scale = _maybe(placement.embedding_output == "scaled",
+                              lambda: constant((), math.sqrt(d), ()))
     self.blocks = nnx.List([Block(spec, layer, rngs) for layer in range(1, spec.num_layers + 1)])
     self.final_norm = _maybe(placement.final_norm,
-                             lambda: _stream_norm(spec, placement, d, "embed"))
+                             lambda: _stream_norm(spec, placement, d, "embed", "final"))
     self.head = _maybe(not spec.tie_embeddings, lambda: param(
         rngs, (d, spec.vocab_size), init_rules.init_std(spec, "head"), ("embed", "vocab")))
     self.s_z = _maybe(placement.is_ngpt, lambda: NgptScale(spec.vocab_size, 1.0, d ** -0.5,
@@ -226,12 +234,14 @@ class Transformer(nnx.Module):
       x_BxLxD = x_BxLxD + self.positions[: tokens_BxL.shape[1]].astype(dtype)
     if self.embed_norm is not None:
       x_BxLxD = self.embed_norm(x_BxLxD)
-    radius = placements.get_placement(spec.placement).embedding_radius
-    if radius == "rms" and spec.geo_radius == "sqrt_d":
+    output = placements.get_placement(spec.placement).embedding_output
+    if output == "sphere" and spec.geo_radius == "sqrt_d":
       # The sphere of radius sqrt(d), exactly: an eps here would shrink small embeddings.
       x_BxLxD = norms.l2_normalize(x_BxLxD) * jnp.asarray(math.sqrt(spec.d_model), x_BxLxD.dtype)
-    elif radius == "l2":
+    elif output == "unit":
       x_BxLxD = norms.l2_normalize(x_BxLxD)
+    elif output == "scaled":
+      x_BxLxD = x_BxLxD * self.embed_scale[...].astype(x_BxLxD.dtype)
     return x_BxLxD
 
   def logits(self, x_BxLxD):

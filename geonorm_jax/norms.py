@@ -9,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-SCHEDULES = ("constant", "harmonic", "sqrt", "linear")
+SCHEDULES = ("constant", "harmonic", "sqrt", "linear", "linear_paper")
 
 # Below this squared angle the geodesic coefficients switch to their Taylor series, so that
 # neither the value nor the gradient ever sees 0/0 (g parallel to x, or g == 0).
@@ -120,7 +120,8 @@ def geodesic_angle(x, g, alpha):
 def geonorm_step_size(k, num_steps, alpha, schedule):
   """alpha_k for the k-th update (1-based) out of num_steps.
 
-  linear uses (T - k + 1)/T so that the last update still moves (T - k would freeze it).
+  linear_paper is the GeoNorm paper's alpha (T - k)/T, under which the last update does not
+  move at all; linear is alpha (T - k + 1)/T, so that it still does.
   """
   if schedule == "constant":
     return alpha
@@ -130,6 +131,8 @@ def geonorm_step_size(k, num_steps, alpha, schedule):
     return alpha / math.sqrt(k)
   if schedule == "linear":
     return alpha * (num_steps - k + 1) / num_steps
+  if schedule == "linear_paper":
+    return alpha * (num_steps - k) / num_steps
   raise ValueError(f"unknown GeoNorm schedule {schedule!r}; valid: {', '.join(SCHEDULES)}")
 
 

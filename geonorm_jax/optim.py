@@ -12,13 +12,18 @@ SCHEDULES = ("cosine", "wsd", "constant")
 
 
 def learning_rate_schedule(train_config):
-  """Linear warmup, then cosine to min_lr_ratio*lr, warmup-stable-decay, or constant."""
+  """Linear warmup, then cosine to min_lr_ratio*lr, warmup-stable-decay, or constant.
+
+  Warmup gives update t (0-based) the rate lr (t+1)/W, as nanoGPT does: the first update
+  already moves (a warmup from 0 would spend the first step on nothing).
+  """
   c = train_config
   if c.schedule not in SCHEDULES:
     raise ValueError(f"train.schedule={c.schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
   if c.warmup_steps < 0 or c.warmup_steps > c.steps:
     raise ValueError(f"train.warmup_steps={c.warmup_steps} must lie in [0, train.steps={c.steps}]")
-  warmup = optax.linear_schedule(0.0, c.lr, max(c.warmup_steps, 1))
+  warmup_steps = max(c.warmup_steps, 1)
+  warmup = optax.linear_schedule(c.lr / warmup_steps, c.lr, warmup_steps - 1 or 1)
   remaining = max(c.steps - c.warmup_steps, 1)
   floor = c.lr * c.min_lr_ratio
   if c.schedule == "cosine":
@@ -34,11 +39,15 @@ def learning_rate_schedule(train_config):
 
 
 def _decays(path, decay_embeddings):
-  """Weight decay on matrices; never on gains, biases, DyT/nGPT scales; embeddings as asked."""
+  """Weight decay on the block matrices; never on gains, biases, DyT/nGPT scales.
+
+  The vocabulary matrices (embedding, positions and an untied head) follow decay_embeddings,
+  so a tied and an untied model get the same decay on them.
+  """
   last = path.split(".")[-1]
-  if last in ("embed", "positions"):
+  if last in ("embed", "positions", "head"):
     return decay_embeddings
-  return last in ("kernel", "head")
+  return last == "kernel"
 
 
 def parse_multipliers(text):
@@ -83,7 +92,8 @@ def scale_by_tree(multipliers):
   return optax.GradientTransformation(init, update)
 
 
-def make_optimizer(train_config, params):
+def make_optimizer(train_config, params, weight_decay=True):
+  """The optax chain; weight_decay=False turns decay off for placements that forbid it (nGPT)."""
   c = train_config
   for field in ("lr", "steps"):
     if getattr(c, field) <= 0:
@@ -93,8 +103,8 @@ def make_optimizer(train_config, params):
   parts = []
   if c.clip_norm > 0:
     parts.append(optax.clip_by_global_norm(c.clip_norm))
-  parts.append(optax.adamw(schedule, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay,
-                           mask=decay_mask))
+  parts.append(optax.adamw(schedule, b1=c.b1, b2=c.b2, eps=c.eps,
+                           weight_decay=c.weight_decay if weight_decay else 0.0, mask=decay_mask))
   if c.lr_multipliers:
     parts.append(scale_by_tree(multiplier_tree(params, c.lr_multipliers)))
   return optax.chain(*parts), schedule

@@ -121,7 +121,11 @@ class Placement:
   final_norm: bool = True
   norm_after_every_linear: bool = False  # SimpleNorm
   stream_norm: str = "norm"  # norm | dyt: what N is for this placement
-  embedding_radius: str = "none"  # none | rms: GeoNorm puts the embedding on the sqrt(d) sphere
+  # What the embedding output (tokens + positions) becomes before block 1:
+  #   none; sphere: radius sqrt(d) (GeoNorm); unit: L2-normalised (nGPT's stream is unit-norm);
+  #   scaled: times a learnable scalar initialised to sqrt(d) (DyT's LLaMA recipe).
+  embedding_output: str = "none"
+  weight_decay: bool = True  # False: no decay at all (nGPT re-normalises its matrices instead)
   is_ngpt: bool = False
 
 
@@ -131,13 +135,16 @@ PLACEMENTS = {
     "peri": Placement("peri", peri, has_input_norm=_always, has_output_norm=_always),
     "deepnorm": Placement("deepnorm", deepnorm, has_output_norm=_always, final_norm=False),
     "geonorm": Placement("geonorm", geonorm, has_input_norm=_geonorm_reads_norm,
-                         embedding_radius="rms"),
+                         embedding_output="sphere"),
     "simplenorm": Placement("simplenorm", simplenorm, norm_after_every_linear=True),
     "lns": Placement("lns", layernorm_scaling, has_input_norm=_always),
     "mixln": Placement("mixln", mixln, has_input_norm=lambda l, c: not _mixln_is_post(l, c),
                        has_output_norm=_mixln_is_post),
-    "ngpt": Placement("ngpt", ngpt, final_norm=False, is_ngpt=True),
-    "dyt": Placement("dyt", pre, has_input_norm=_always, stream_norm="dyt"),
+    # NVIDIA/ngpt train.py: weight_decay = 0.0 when use_nGPT (the matrices are re-normalised).
+    "ngpt": Placement("ngpt", ngpt, final_norm=False, embedding_output="unit", weight_decay=False,
+                      is_ngpt=True),
+    "dyt": Placement("dyt", pre, has_input_norm=_always, stream_norm="dyt",
+                     embedding_output="scaled"),
 }
 ALIASES = {"sandwich": "peri"}
 

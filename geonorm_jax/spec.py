@@ -46,7 +46,9 @@ class ModelSpec:
   geo_radius: str
   mixln_fraction: float
   ngpt_alpha_init: float
-  dyt_alpha_init: float
+  dyt_alpha_attn: float
+  dyt_alpha_ffn: float
+  dyt_alpha_final: float
 
   @property
   def head_dim(self):
@@ -86,6 +88,27 @@ def _positive(field, value):
   if value <= 0:
     raise ValueError(f"model.{field}={value} must be positive")
   return value
+
+
+# DyT's alpha at init for (attention-input, MLP-input, final) DyT by model width, from the
+# authors' LLaMA commands (jiachenzhu/DyT, other_tasks/LLaMA/README.md: 7B d=4096 0.8/0.2/0.2,
+# 13B d=5120 0.6/0.15/0.15, 34B and 70B d=8192 0.2/0.05/0.05). Narrower models: no published
+# value (open); they take the 7B row.
+DYT_ALPHA_BY_WIDTH = ((4096, (0.8, 0.2, 0.2)), (5120, (0.6, 0.15, 0.15)),
+                      (float("inf"), (0.2, 0.05, 0.05)))
+
+
+def dyt_alphas(c):
+  """(attention, ffn, final) alpha_0: the config's where set (> 0), else the authors' table."""
+  table = next(row for width, row in DYT_ALPHA_BY_WIDTH if c.d_model <= width)
+  fields = ("dyt_alpha_attn", "dyt_alpha_ffn", "dyt_alpha_final")
+  values = []
+  for field, default in zip(fields, table):
+    value = getattr(c, field)
+    if value < 0:
+      raise ValueError(f"model.{field}={value} must be positive (or 0 for the authors' value)")
+    values.append(float(value) or default)
+  return tuple(values)
 
 
 def llama_ffn_width(d_model, multiple_of):
@@ -146,4 +169,5 @@ def resolve(model_config):
       geo_counter=c.geo_counter, geo_theta_max=float(c.geo_theta_max),
       geo_sublayer_input=c.geo_sublayer_input, geo_radius=c.geo_radius,
       mixln_fraction=float(c.mixln_fraction),
-      ngpt_alpha_init=float(c.ngpt_alpha_init), dyt_alpha_init=float(c.dyt_alpha_init))
+      ngpt_alpha_init=float(c.ngpt_alpha_init),
+      **dict(zip(("dyt_alpha_attn", "dyt_alpha_ffn", "dyt_alpha_final"), dyt_alphas(c))))

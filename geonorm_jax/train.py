@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from geonorm_jax import checkpoint as checkpoint_lib
+from geonorm_jax import collapse
 from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
 from geonorm_jax import hessian_callback
@@ -64,7 +65,9 @@ def make_setup(config, devices=None):
   mesh = sharding_lib.make_mesh(config.mesh, devices)
   rules = sharding_lib.parse_rules(config.mesh.rules)
   graphdef, abstract_params = model_lib.abstract_params(spec)
-  optimizer, schedule = optim.make_optimizer(config.train, abstract_params)
+  optimizer, schedule = optim.make_optimizer(
+      config.train, abstract_params,
+      weight_decay=placements.get_placement(spec.placement).weight_decay)
   abstract_state = {
       "step": jax.ShapeDtypeStruct((), jnp.int32),
       "params": abstract_params,
@@ -141,18 +144,30 @@ def make_eval_step(setup):
 
 
 def make_stream_stats(setup):
-  """jit(params, tokens) -> residual RMS / mean |x| per layer and the angle each block turns.
+  """jit(params, tokens) -> per-layer residual RMS / mean |x|, the angle each block turns, and
+  the collapse diagnostics (collapse.py): token cosine, logit spread, DyT saturation.
 
   Measured on the first micro-batch only: a statistic, not a loss, so a sample suffices.
   """
   graphdef = setup.graphdef
 
   def stats(params, tokens_AxBxL1):
-    _, streams = nnx.merge(graphdef, params)(tokens_AxBxL1[0, :, :-1], return_streams=True)
+    model = nnx.merge(graphdef, params)
+    logits, streams = model(tokens_AxBxL1[0, :, :-1], return_streams=True)
     out = metrics.residual_stats(streams)
     for index in range(len(streams) - 1):
       out[f"stream_angle/layer_{index:02d}"] = metrics.angle_between(streams[index],
                                                                       streams[index + 1])
+    final_norm = model.final_norm
+    head_input = streams[-1] if final_norm is None else final_norm(streams[-1])
+    out["collapse/token_cosine"] = collapse.token_cosine(head_input)
+    out["collapse/logit_spread"] = collapse.logit_spread(logits)
+    if final_norm is not None and final_norm.alpha is not None:  # DyT
+      out["collapse/tanh_saturated_final"] = collapse.tanh_saturated(streams[-1],
+                                                                     final_norm.alpha[...])
+      for index, block in enumerate(model.blocks):
+        out[f"collapse/tanh_saturated_attn_in/layer_{index:02d}"] = collapse.tanh_saturated(
+            streams[index], block.attn_in_norm.alpha[...])
     return out
   return jax.jit(stats, in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
 
@@ -254,6 +269,7 @@ def train(config, workdir):
                             enabled=config.train.progress_bar and jax.process_index() == 0)
   ckpt.install_sigterm_handler()
   run = _Run(start)
+  monitor = collapse.CollapseMonitor()
   pending = None
   started = time.perf_counter()
 
@@ -274,8 +290,11 @@ def train(config, workdir):
     for step in range(start + 1, config.train.steps + 1):
       tokens = global_batch(setup, next(train_iter))
       if stream_stats is not None and (step - 1) % config.train.layer_stats_every == 0:
-        writer.write_scalars(step - 1, jax.device_get(stream_stats(state["params"], tokens)),
-                             split="layers")
+        layer_values = jax.device_get(stream_stats(state["params"], tokens))
+        writer.write_scalars(step - 1, layer_values, split="layers")
+        warning = monitor.update(step - 1, float(layer_values["collapse/token_cosine"]))
+        if warning and jax.process_index() == 0:
+          print(warning, flush=True)
       state, step_metrics = train_step(state, tokens)
       if hessian_logger is not None and step % hessian_every == 0:
         writer.write_scalars(step, hessian_logger(state, tokens, step), split="hessian")
@@ -305,7 +324,8 @@ def train(config, workdir):
   final_step = int(state["step"])
   summary = {"final_step": final_step, "final_train_loss": run.last_train_loss,
              "final_eval_loss": run.last_eval_loss, "tokens_per_s": run.tokens_per_s,
-             "wall_s": time.perf_counter() - started, "preempted": bool(ckpt.preempted)}
+             "wall_s": time.perf_counter() - started, "preempted": bool(ckpt.preempted),
+             "collapse_step": monitor.first_step}
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)

@@ -140,14 +140,8 @@ def test_simplenorm_normalises_every_linear_output(backbone, expected_norms, mon
     assert block.attn_in_norm is None and block.mlp_in_norm is None
 
 
-def test_deepnorm_init_and_residual_scale():
-  spec = spec_lib.resolve(small("placement=deepnorm,num_layers=6,d_model=256,num_heads=4").model)
-  model = model_lib.Transformer(spec, nnx.Rngs(params=0))
-  beta = (8 * 6) ** -0.25
-  attn = model.blocks[0].attn
-  np.testing.assert_allclose(np.std(attn.q.kernel[...]), 0.02, rtol=0.05)
-  np.testing.assert_allclose(np.std(attn.v.kernel[...]), 0.02 * beta, rtol=0.05)
-  np.testing.assert_allclose(np.std(model.blocks[0].mlp.down.kernel[...]), 0.02 * beta, rtol=0.05)
+def test_deepnorm_residual_scale():
+  # The init is pinned in test_fidelity.py.
   x = jnp.ones((1, 2, 256))
   f = lambda h: h * 0.5
   norms_ = placements.SublayerNorms(output=lambda h: h)

@@ -172,6 +172,9 @@ def test_step_size_schedules():
   assert norms.geonorm_step_size(4, 12, 0.8, "sqrt") == pytest.approx(0.4)
   assert norms.geonorm_step_size(1, 12, 0.8, "linear") == pytest.approx(0.8)
   assert norms.geonorm_step_size(12, 12, 0.8, "linear") == pytest.approx(0.8 / 12)
+  # The GeoNorm paper's alpha (T-k)/T: the first update at 11/12 of alpha, the last frozen.
+  assert norms.geonorm_step_size(1, 12, 0.8, "linear_paper") == pytest.approx(0.8 * 11 / 12)
+  assert norms.geonorm_step_size(12, 12, 0.8, "linear_paper") == 0.0
   with pytest.raises(ValueError, match="cosine.*harmonic"):
     norms.geonorm_step_size(1, 12, 1.0, "cosine")
 

@@ -56,8 +56,9 @@ def test_gradient_accumulation_matches_full_batch(single_device_run):
 def test_schedules():
   config = config_lib.get_config("tiny,steps=100,warmup_steps=10,lr=1.0,min_lr_ratio=0.1")
   cosine = optim.learning_rate_schedule(config.train)
-  assert float(cosine(0)) == 0.0 and float(cosine(5)) == pytest.approx(0.5)
-  assert float(cosine(10)) == pytest.approx(1.0)
+  # Update t of the warmup runs at lr (t+1)/W: the first update already moves.
+  assert float(cosine(0)) == pytest.approx(0.1) and float(cosine(4)) == pytest.approx(0.5)
+  assert float(cosine(9)) == pytest.approx(1.0) and float(cosine(10)) == pytest.approx(1.0)
   assert float(cosine(55)) == pytest.approx(0.55, abs=1e-3)  # half way down the cosine
   assert float(cosine(100)) == pytest.approx(0.1)
   config.train.schedule = "wsd"
@@ -82,6 +83,7 @@ def test_weight_decay_mask_and_lr_multipliers():
   assert float(jnp.abs(block["attn_in_norm"]["gain"][...]).max()) == 0.0
   assert float(jnp.abs(block["attn"]["k"]["bias"][...]).max()) == 0.0
   assert float(jnp.abs(updates["embed"][...]).max()) == 0.0  # decay_embeddings=False
+  assert float(jnp.abs(updates["head"][...]).max()) == 0.0  # the untied head follows it
   np.testing.assert_allclose(block["attn"]["k"]["kernel"][...],
                              -lr * 0.5 * state["params"]["blocks"][0]["attn"]["k"]["kernel"][...],
                              rtol=1e-5, atol=1e-12)

@@ -35,11 +35,8 @@ def _case(backbone, placement, xfail=None, **overrides):
                       id=case_id, marks=marks)
 
 
-_NGPT_ENTRY = "nGPT's stream entering block 1 is not yet L2-normalised (lead's change pending)"
 _NGPT_ROPE = ("geonorm_jax applies RoPE after nGPT's unit-norm and s_q/s_k scaling; "
               "NVIDIA/ngpt rotates q, k first, then normalises and scales them")
-_DYT = "DyT's embedding scale and per-backbone bias are not in geonorm_jax yet (lead's change)"
-_LINEAR_PAPER = "geo_schedule=linear_paper is not in geonorm_jax yet (lead's change)"
 
 
 CASES = [
@@ -54,13 +51,12 @@ CASES = [
     *[_case(b, "lns") for b in _BACKBONES],
     *[_case(b, "mixln", mixln_fraction=0.5) for b in _BACKBONES],
     _case("llama", "mixln", num_layers=4),  # floor(0.25 * 4) = 1 Post-LN block, then 3 Pre-LN
-    _case("gpt2", "ngpt", xfail=_NGPT_ENTRY),
-    _case("llama", "ngpt", xfail=_NGPT_ENTRY + "; " + _NGPT_ROPE),
-    *[_case(b, "dyt", xfail=_DYT) for b in _BACKBONES],
+    _case("gpt2", "ngpt"),
+    _case("llama", "ngpt", xfail=_NGPT_ROPE),
+    *[_case(b, "dyt") for b in _BACKBONES],
     *[_case(b, "geonorm") for b in _BACKBONES],  # harmonic, k counts blocks
     *[_case("gpt2" if s in ("constant", "sqrt") else "llama", "geonorm", geo_schedule=s,
-            geo_counter=c, geo_alpha=2.0, num_layers=3,
-            xfail=_LINEAR_PAPER if s == "linear_paper" else None)
+            geo_counter=c, geo_alpha=2.0, num_layers=3)
       for s in ("constant", "harmonic", "sqrt", "linear", "linear_paper")
       for c in ("blocks", "sublayers") if (s, c) != ("constant", "sublayers")],  # same model
     _case("gpt2", "geonorm", geo_alpha=4.0, geo_theta_max=0.9),

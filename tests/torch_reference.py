@@ -296,10 +296,10 @@ class Block(nn.Module):
     else:
       k, total = 2 * (self.layer - 1) + sublayer_index, 2 * hp.num_layers
     alpha = geonorm_step_size(hp, k, total)
-    if alpha == 0.0:
-      return x
     dot = lambda a, b: (a * b).sum(-1, keepdim=True)
     v = g - dot(x, g) / dot(x, x) * x
+    if alpha == 0.0:
+      return x + 0.0 * v  # theta = 0 and sinc(0) = 1: x' = x, and F's parameters get zero gradient
     theta = alpha * torch.sqrt(dot(v, v) / dot(x, x))
     self.geodesic_angles.append(theta.detach())
     turned = theta if hp.geo_theta_max <= 0 else theta.clamp(max=hp.geo_theta_max)

@@ -19,7 +19,7 @@ from geonorm_jax import config as config_lib
 from geonorm_jax import losses, model as model_lib, paths
 
 torch = pytest.importorskip("torch")
-import torch_reference  # noqa: E402  (tests/ is on sys.path under pytest's rootdir conftest)
+import torch_reference  # noqa: E402  (pytest puts tests/ on sys.path: it has no __init__.py)
 
 TOLERANCE = 1e-5
 BATCH, LENGTH, VOCAB = 2, 8, 64
@@ -28,15 +28,19 @@ _BACKBONES = {"gpt2": dict(backbone="gpt2", tie_embeddings=True),
               "llama": dict(backbone="llama", num_kv_heads=2, tie_embeddings=False)}
 
 
-def _case(backbone, placement, xfail=None, **overrides):
-  case_id = "-".join([placement, backbone] + [f"{k}={v}" for k, v in overrides.items()])
+def _case(backbone, placement, xfail=None, reference=None, **overrides):
+  """One model: config overrides shared by both sides, plus reference-only options."""
+  reference = reference or {}
+  case_id = "-".join([placement, backbone] + [f"{k}={v}" for k, v in overrides.items()]
+                     + [f"reference.{k}={v}" for k, v in reference.items()])
   marks = [pytest.mark.xfail(strict=True, reason=xfail)] if xfail else []
-  return pytest.param({**_SMALL, **_BACKBONES[backbone], "placement": placement, **overrides},
-                      id=case_id, marks=marks)
+  overrides = {**_SMALL, **_BACKBONES[backbone], "placement": placement, **overrides}
+  return pytest.param(overrides, reference, id=case_id, marks=marks)
 
 
-_NGPT_ROPE = ("geonorm_jax applies RoPE after nGPT's unit-norm and s_q/s_k scaling; "
-              "NVIDIA/ngpt rotates q, k first, then normalises and scales them")
+_NGPT_ROPE = ("geonorm_jax applies RoPE after nGPT's unit-norm and s_q/s_k scaling "
+              "(model.py, Attention.__call__); NVIDIA/ngpt model.py rotates q and k first, then "
+              "normalises them and scales by s_qk")
 
 
 CASES = [
@@ -53,6 +57,8 @@ CASES = [
     _case("llama", "mixln", num_layers=4),  # floor(0.25 * 4) = 1 Post-LN block, then 3 Pre-LN
     _case("gpt2", "ngpt"),
     _case("llama", "ngpt", xfail=_NGPT_ROPE),
+    # The rest of nGPT on llama (GQA, SwiGLU with s_u, s_v) stays checked with geonorm_jax's order.
+    _case("llama", "ngpt", reference=dict(ngpt_rope="after_scale")),
     *[_case(b, "dyt") for b in _BACKBONES],
     *[_case(b, "geonorm") for b in _BACKBONES],  # harmonic, k counts blocks
     *[_case("gpt2" if s in ("constant", "sqrt") else "llama", "geonorm", geo_schedule=s,
@@ -96,9 +102,9 @@ def _ours(overrides, tokens_BxL1):
   return named(state), np.asarray(logits_BxLxV), named(grads)
 
 
-def _reference(overrides, weights, tokens_BxL1):
+def _reference(hyper, weights, tokens_BxL1):
   """The reference's float64 logits and gradients, and the model (for GeoNorm's angles)."""
-  reference = torch_reference.ReferenceTransformer(torch_reference.Hyper(**overrides)).double()
+  reference = torch_reference.ReferenceTransformer(hyper).double()
   # strict: a parameter missing on either side, or of another shape, raises here.
   reference.load_state_dict({k: torch.from_numpy(v.astype(np.float64)) for k, v in weights.items()},
                             strict=True)
@@ -114,11 +120,12 @@ def _reference(overrides, weights, tokens_BxL1):
   return logits_BxLxV.detach().numpy(), grads, reference
 
 
-@pytest.mark.parametrize("overrides", CASES)
-def test_logits_and_gradients_match_the_torch_reference(overrides):
+@pytest.mark.parametrize("overrides, reference_only", CASES)
+def test_logits_and_gradients_match_the_torch_reference(overrides, reference_only):
   tokens_BxL1 = np.random.default_rng(0).integers(0, VOCAB, (BATCH, LENGTH + 1))
   weights, logits, grads = _ours(overrides, tokens_BxL1)
-  ref_logits, ref_grads, reference = _reference(overrides, weights, tokens_BxL1)
+  hyper = torch_reference.Hyper(**overrides, **reference_only)
+  ref_logits, ref_grads, reference = _reference(hyper, weights, tokens_BxL1)
   assert logits.dtype == np.float32 and logits.shape == ref_logits.shape
   assert sorted(grads) == sorted(ref_grads)
   logit_error = float(np.max(np.abs(logits - ref_logits)))
@@ -129,6 +136,7 @@ def test_logits_and_gradients_match_the_torch_reference(overrides):
   assert grad_errors[worst] < TOLERANCE, (worst, grad_errors[worst])
   # The comparison means something only if the logits and gradients are not trivially small.
   assert np.std(ref_logits) > 0.05
+  assert max(float(np.max(np.abs(g))) for g in ref_grads.values()) > 1e-2
   if overrides.get("geo_theta_max"):
     # The clamp must bite on some tokens and not on others, or this case tests neither branch.
     thetas = torch.cat([t.flatten() for t in reference.geodesic_angles()])

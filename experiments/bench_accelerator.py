@@ -6,8 +6,8 @@
 
 One process, one prepared run of a few minutes on an H100/H200-class GPU. In order:
   1. the chip's bf16 matmul rate on random 8192^3 operands (the measured ceiling);
-  2. the training step of each `--placements` entry, as the repository builds it: one compile
-     step and one more warm-up, then `--windows` timed windows of `--steps` steps each, each
+  2. the training step of each `--placements` entry, as the repository builds it (its state
+     initialised on the host: see `init_state_on_host`): one compile step and one more warm-up, then `--windows` timed windows of `--steps` steps each, each
      window closed by reading its last loss (so every step in it has finished);
   3. probes of the two suspected slow paths, outside the training step: causal attention
      (the model's einsum + softmax against jax.nn.dot_product_attention, cuDNN on a GPU) and
@@ -72,13 +72,21 @@ def _rel_err(x, ref):
   return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
-def measure_matmul_rate(dtype):
-  """FLOP/s of one square matmul on random operands (8192 on an accelerator, 512 on a CPU)."""
+def measure_matmul_rate(dtype, queued=10, rounds=3):
+  """FLOP/s of square matmuls on random operands (8192 on an accelerator, 512 on a CPU).
+
+  `queued` products are dispatched back to back and blocked on once, so the host's dispatch
+  and sync latency (about a fifth of one 8192^3 product on an H200) stays out of the rate.
+  """
   n = 8192 if jax.devices()[0].platform != "cpu" else 512
   key_a, key_b = jax.random.split(jax.random.key(0))
   a = jax.random.normal(key_a, (n, n), dtype)
   b = jax.random.normal(key_b, (n, n), dtype)
-  seconds = _median_seconds(jax.jit(jnp.matmul), (a, b), repeats=10, warmup=3)
+  matmul = jax.jit(jnp.matmul)
+
+  def queue(a, b):
+    return [matmul(a, b) for _ in range(queued)]
+  seconds = _median_seconds(queue, (a, b), repeats=rounds) / queued
   return {"n": n, "flops_per_s": 2 * n ** 3 / seconds, "seconds": seconds}
 
 
@@ -98,11 +106,40 @@ def _config_string(args, placement, vocab_size=None):
   return text + (f",vocab_size={vocab_size}" if vocab_size else "")
 
 
+def init_state_on_host(config, setup):
+  """train.init_state run on the CPU backend, then moved into the accelerator's shardings.
+
+  On an H200 (jax 0.11.2) XLA took 3m10s to compile train.init_state's jit for GPT-2 124M,
+  against 25 s for the whole train step; the CPU backend compiles it in seconds.
+  """
+  host_setup = train.make_setup(config, devices=jax.devices("cpu")[:1])
+  return jax.device_put(train.init_state(host_setup), setup.state_shardings)
+
+
+def probe_device_init(args, placement):
+  """Seconds for train.init_state on the accelerator with threefry lowered to its GPU kernel.
+
+  jax_threefry_gpu_kernel_lowering swaps XLA's inlined threefry rounds (87 copies here) for
+  one kernel call, which JAX documents as the cure for slow PRNG compiles on GPU.
+  """
+  setup = train.make_setup(config_lib.get_config(_config_string(args, placement)))
+  previous = jax.config.jax_threefry_gpu_kernel_lowering
+  jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+  try:
+    started = time.perf_counter()
+    jax.block_until_ready(train.init_state(setup))
+    return {"placement": placement, "init_state_s_incl_compile": time.perf_counter() - started}
+  finally:
+    jax.config.update("jax_threefry_gpu_kernel_lowering", previous)
+
+
 def time_training(args, placement, vocab_size=None):
   """Tokens/s of the repository's jitted train step; byte tokens fit any vocabulary."""
   config = config_lib.get_config(_config_string(args, placement, vocab_size))
   setup = train.make_setup(config)
-  state = train.init_state(setup)
+  started = time.perf_counter()
+  state = init_state_on_host(config, setup)
+  init_s = time.perf_counter() - started
   step_fn = train.make_train_step(setup)
   batches = data_lib.make_train_iterator(config)
   arrays = [train.global_batch(setup, next(batches)) for _ in range(2 + args.steps)]
@@ -123,7 +160,7 @@ def time_training(args, placement, vocab_size=None):
   spec = setup.spec
   flops = 6.0 * matmul_params(setup) + 12.0 * spec.num_layers * spec.d_model * args.seq_len
   return {
-      "placement": placement, "vocab_size": spec.vocab_size,
+      "placement": placement, "vocab_size": spec.vocab_size, "init_state_on_host_s": init_s,
       "first_step_s_incl_compile": compile_s,
       "tokens_per_s": statistics.median(window_rates), "tokens_per_s_windows": window_rates,
       "step_ms": 1e3 * tokens_per_step / statistics.median(window_rates),
@@ -243,6 +280,9 @@ def main():
   parser.add_argument("--windows", type=int, default=3)
   parser.add_argument("--budget_s", type=float, default=0.0,
                       help="start no probe or proposal run past this many seconds (0 = no limit)")
+  parser.add_argument("--probe_device_init", action="store_true",
+                      help="last, time train.init_state on the accelerator with the threefry "
+                      "kernel lowering (may take minutes if that does not help)")
   parser.add_argument("--out_dir", default=os.path.join(REPO, "results", "bench"))
   args = parser.parse_args()
   started = time.perf_counter()
@@ -304,6 +344,10 @@ def main():
       print(result["probes"][f"{placement}+proposed_error"], flush=True)
   if len(proposals) < 2 and in_budget():
     run_probes()
+  # Last: if the kernel lowering does not cure the slow compile, only this probe is lost.
+  if args.probe_device_init and in_budget():
+    result["probes"]["device_init_threefry_kernel"] = probe_device_init(args, "pre")
+    print(json.dumps(result["probes"]["device_init_threefry_kernel"]), flush=True)
   result["total_s"] = time.perf_counter() - started
   with open(path, "w") as f:
     json.dump(result, f, indent=2)

@@ -1,10 +1,13 @@
-"""The one base config: every key any part of geonorm_jax reads is declared here.
+"""The one base config: every key any part of geonorm_jax reads is declared here (a
+placement's own keys by its entry in placements.py, added to config.model below).
 
 Sizes live in SIZES below and `get_config(arg)` applies them; the command-line files in
 configs/ (`configs/tiny.py`, ...) call it. Nothing in the code uses `config.get(...)` with a default:
 if a key is missing here, that is a bug.
 """
 import ml_collections
+
+from geonorm_jax import placements
 
 
 def get_base_config() -> ml_collections.ConfigDict:
@@ -34,20 +37,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   model.init_std = 0.02
   model.dtype = "float32"  # compute dtype; params stay float32
   model.remat = False  # rematerialise each block in the backward pass
-  # GeoNorm
-  model.geo_alpha = 1.0
-  model.geo_schedule = "harmonic"  # constant | harmonic | sqrt | linear | linear_paper
-  model.geo_counter = "blocks"  # blocks (k=l) | sublayers (k=1..2T)
-  model.geo_theta_max = 0.0  # clamp on the geodesic angle; 0 = none
-  model.geo_sublayer_input = "norm"  # norm: F reads N(x) | raw: F reads x
-  model.geo_radius = "sqrt_d"  # sqrt_d: embedding put on the sqrt(d) sphere | embedding: keep |e|
-  # Mix-LN, nGPT, DyT
-  model.mixln_fraction = 0.25
-  model.ngpt_alpha_init = 0.05
-  # DyT's alpha at init per site; 0 = the DyT authors' LLaMA value for this width (see spec.py)
-  model.dyt_alpha_attn = 0.0
-  model.dyt_alpha_ffn = 0.0
-  model.dyt_alpha_final = 0.0
+  # Each placement's own fields (geo_*, mixln_fraction, ngpt_alpha_init, dyt_alpha_*, ...)
+  # are declared by its registry entry in placements.py and added here.
+  for name, option in placements.all_options().items():
+    model[name] = option.default
 
   data = config.data = ml_collections.ConfigDict()
   data.source = "builtin"  # builtin | text | nanogpt_bin | fineweb_bin | array_record

@@ -27,23 +27,25 @@ def xavier_normal_std(spec, role, gain):
   return gain * math.sqrt(2.0 / (fan_in + fan_out))
 
 
-def init_std(spec, role, layer=None):
-  """Standard deviation of the normal init of one weight, per the placement's paper or code."""
-  base = spec.init_std
-  if spec.placement == "simplenorm":
-    return _simplenorm_std(spec, role, layer)
-  if spec.placement == "deepnorm" and role in BLOCK_MATRICES:
-    # DeepNet (Wang et al. 2022, Fig. 2 pseudocode): Xavier-normal with gain beta = (8T)^(-1/4)
-    # for W_v, W_o and the FFN matrices, gain 1 for W_q and W_k. (microsoft/torchscale uses a
-    # Xavier-uniform variant of the same scaling.)
-    gain = 1.0 if role in ("q", "k") else norms.deepnorm_beta(spec.num_layers)
-    return xavier_normal_std(spec, role, gain)
+def default_std(spec, role, layer=None):
+  """GPT-2's rule: init_std everywhere, the residual writers (W_o, W_down) / sqrt(2T)."""
+  del layer
   if role in RESIDUAL_OUTPUTS:
-    return base / math.sqrt(2 * spec.num_layers)  # GPT-2: residual writers scaled by depth
-  return base
+    return spec.init_std / math.sqrt(2 * spec.num_layers)
+  return spec.init_std
 
 
-def _simplenorm_std(spec, role, layer):
+def deepnorm_std(spec, role, layer=None):
+  """DeepNet (Wang et al. 2022, Fig. 2 pseudocode): Xavier-normal with gain beta = (8T)^(-1/4)
+  for W_v, W_o and the FFN matrices, gain 1 for W_q and W_k. (microsoft/torchscale uses a
+  Xavier-uniform variant of the same scaling.) Embeddings and head: the default rule."""
+  if role not in BLOCK_MATRICES:
+    return default_std(spec, role, layer)
+  gain = 1.0 if role in ("q", "k") else norms.deepnorm_beta(spec.num_layers)
+  return xavier_normal_std(spec, role, gain)
+
+
+def simplenorm_std(spec, role, layer=None):
   """Ocram7/SimpleGPT: embedding N(0,1) when untied, head d^-1/2, and std/sqrt(2l) for the
   matrices W_o, W_2 (down) and, in SwiGLU, W_3 (up: the factor multiplied by silu(W_1 h)).
   A GELU MLP's first matrix is SwiGLU's W_1 and keeps the plain std."""

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from geonorm_jax import init_rules, norms, placements
+from geonorm_jax import norms, placements
 from geonorm_jax.layers import (Linear, NgptScale, Norm, apply_rope, constant, param,
                                 rope_cos_sin, tap)
 from geonorm_jax.spec import ModelSpec, resolve
@@ -24,13 +24,18 @@ def compute_dtype(spec):
   return _DTYPES[spec.dtype]
 
 
+def init_std(spec, role, layer=None):
+  """The std of one weight's normal init: the placement's rule (init_rules.py)."""
+  return placements.get_placement(spec.placement).init_std(spec, role, layer)
+
+
 def _stream_norm(spec, placement, width, axis_name, site):
   """A norm on the residual stream; `site` (attn, ffn, final) picks DyT's alpha_0."""
-  kind = "dyt" if placement.stream_norm == "dyt" else spec.norm_kind
-  dyt_alpha = {"attn": spec.dyt_alpha_attn, "ffn": spec.dyt_alpha_ffn,
-               "final": spec.dyt_alpha_final}[site]
-  return Norm(width, kind=kind, axis_name=axis_name, eps=spec.norm_eps, gain=spec.norm_gain,
-              bias=spec.norm_bias, dyt_alpha=dyt_alpha)
+  if placement.stream_norm == "dyt":
+    return Norm(width, kind="dyt", axis_name=axis_name, gain=spec.norm_gain, bias=spec.norm_bias,
+                dyt_alpha=spec.option(f"dyt_alpha_{site}"))
+  return Norm(width, kind=spec.norm_kind, axis_name=axis_name, eps=spec.norm_eps,
+              gain=spec.norm_gain, bias=spec.norm_bias)
 
 
 def _inner_norm(spec, width, axis_name):
@@ -56,7 +61,7 @@ class Attention(nnx.Module):
     d, hd = spec.d_model, spec.head_dim
     q_width, kv_width = spec.num_heads * hd, spec.num_kv_heads * hd
     dtype = compute_dtype(spec)
-    std = functools.partial(init_rules.init_std, spec, layer=layer)
+    std = functools.partial(init_std, spec, layer=layer)
 
     def linear(role, d_in, d_out, axes):
       return Linear(d_in, d_out, name=f"{name}.{role}", axes=axes, std=std(role),
@@ -127,7 +132,7 @@ class MLP(nnx.Module):
     name = f"blocks.{layer - 1}.mlp"
     d, f = spec.d_model, spec.d_ff
     dtype = compute_dtype(spec)
-    std = functools.partial(init_rules.init_std, spec, layer=layer)
+    std = functools.partial(init_std, spec, layer=layer)
 
     def linear(role, d_in, d_out, axes):
       return Linear(d_in, d_out, name=f"{name}.{role}", axes=axes, std=std(role),
@@ -177,30 +182,38 @@ class Block(nnx.Module):
     self.attn_out_norm = _maybe(has_out, lambda: norm("attn"))
     self.mlp_in_norm = _maybe(has_in, lambda: norm("ffn"))
     self.mlp_out_norm = _maybe(has_out, lambda: norm("ffn"))
-    ngpt_alpha = lambda: NgptScale(d, spec.ngpt_alpha_init, d ** -0.5, "embed")
-    self.attn_alpha = _maybe(placement.is_ngpt, ngpt_alpha)
-    self.mlp_alpha = _maybe(placement.is_ngpt, ngpt_alpha)
+    # The placement's own learnable parameters, one set per sublayer: attn_<name>, mlp_<name>.
+    self.update_param_names = ()
+    if placement.sublayer_params is not None:
+      for sublayer in ("attn", "mlp"):
+        named = placement.sublayer_params(spec, layer)
+        for name, module in named.items():
+          setattr(self, f"{sublayer}_{name}", module)
+      self.update_param_names = tuple(named)
 
-  def _context(self, sublayer_index, ngpt_alpha):
+  def _context(self, sublayer, sublayer_index):
     spec = self.spec
-    k = placements.geonorm_update_index(self.layer, sublayer_index, spec.geo_counter)
-    total = placements.geonorm_num_updates(spec.num_layers, spec.geo_counter)
-    return placements.ResidualContext(
-        layer=self.layer, num_layers=spec.num_layers, dt=spec.dt,
-        geo_step_size=norms.geonorm_step_size(k, total, spec.geo_alpha, spec.geo_schedule),
-        geo_theta_max=spec.geo_theta_max or None,
-        deepnorm_alpha=norms.deepnorm_alpha(spec.num_layers),
-        ngpt_alpha=None if ngpt_alpha is None else ngpt_alpha())
+    placement = placements.get_placement(spec.placement)
+    constants = {} if placement.constants is None else placement.constants(
+        spec, self.layer, sublayer_index)
+    params = {name: _array(getattr(self, f"{sublayer}_{name}"))
+              for name in self.update_param_names}
+    return placements.ResidualContext(layer=self.layer, num_layers=spec.num_layers, dt=spec.dt,
+                                      constants=constants, params=params)
 
   def __call__(self, x_BxLxD, perturb=None):
     update = placements.get_placement(self.spec.placement).update
     x_BxLxD = tap(perturb, f"blocks.{self.layer - 1}.input", x_BxLxD)
     attn_norms = placements.SublayerNorms(self.attn_in_norm, self.attn_out_norm)
     x_BxLxD = update(x_BxLxD, lambda h: self.attn(h, perturb), attn_norms,
-                     self._context(1, self.attn_alpha))
+                     self._context("attn", 1))
     mlp_norms = placements.SublayerNorms(self.mlp_in_norm, self.mlp_out_norm)
-    return update(x_BxLxD, lambda h: self.mlp(h, perturb), mlp_norms,
-                  self._context(2, self.mlp_alpha))
+    return update(x_BxLxD, lambda h: self.mlp(h, perturb), mlp_norms, self._context("mlp", 2))
+
+
+def _array(parameter):
+  """A placement parameter's value: a module computes it (nGPT's scales), a Param holds it."""
+  return parameter() if isinstance(parameter, nnx.Module) else parameter[...]
 
 
 class Transformer(nnx.Module):
@@ -210,10 +223,10 @@ class Transformer(nnx.Module):
     placement = placements.get_placement(spec.placement)
     self.spec = spec
     d = spec.d_model
-    self.embed = param(rngs, (spec.vocab_size, d), init_rules.init_std(spec, "embed"),
+    self.embed = param(rngs, (spec.vocab_size, d), init_std(spec, "embed"),
                        ("vocab", "embed"))
     self.positions = _maybe(spec.backbone == "gpt2", lambda: param(
-        rngs, (spec.max_seq_len, d), init_rules.init_std(spec, "positions"), ("length", "embed")))
+        rngs, (spec.max_seq_len, d), init_std(spec, "positions"), ("length", "embed")))
     self.embed_norm = _maybe(spec.embed_norm,
                              lambda: _stream_norm(spec, placement, d, "embed", "attn"))
     self.embed_scale = _maybe(placement.embedding_output == "scaled",
@@ -222,7 +235,7 @@ class Transformer(nnx.Module):
     self.final_norm = _maybe(placement.final_norm,
                              lambda: _stream_norm(spec, placement, d, "embed", "final"))
     self.head = _maybe(not spec.tie_embeddings, lambda: param(
-        rngs, (d, spec.vocab_size), init_rules.init_std(spec, "head"), ("embed", "vocab")))
+        rngs, (d, spec.vocab_size), init_std(spec, "head"), ("embed", "vocab")))
     self.s_z = _maybe(placement.is_ngpt, lambda: NgptScale(spec.vocab_size, 1.0, d ** -0.5,
                                                            "vocab"))
 
@@ -235,7 +248,7 @@ class Transformer(nnx.Module):
     if self.embed_norm is not None:
       x_BxLxD = self.embed_norm(x_BxLxD)
     output = placements.get_placement(spec.placement).embedding_output
-    if output == "sphere" and spec.geo_radius == "sqrt_d":
+    if output == "sphere" and spec.option("geo_radius") == "sqrt_d":
       # The sphere of radius sqrt(d), exactly: an eps here would shrink small embeddings.
       x_BxLxD = norms.l2_normalize(x_BxLxD) * jnp.asarray(math.sqrt(spec.d_model), x_BxLxD.dtype)
     elif output == "unit":
@@ -274,9 +287,10 @@ def build(model_config_or_spec, seed=0):
   if not isinstance(spec, ModelSpec):
     spec = resolve(spec)
   model = Transformer(spec, nnx.Rngs(params=seed))
-  if placements.get_placement(spec.placement).is_ngpt:
+  after_update = placements.get_placement(spec.placement).after_update
+  if after_update is not None:
     graphdef, state = nnx.split(model)
-    model = nnx.merge(graphdef, init_rules.normalize_ngpt_weights(state))
+    model = nnx.merge(graphdef, after_update(state))
   return model
 
 

@@ -4,16 +4,22 @@ Every update has the signature `update(x, sublayer, norms, ctx) -> x_next` where
   x         the residual stream (..., D),
   sublayer  F, a function of arrays (attention or MLP, its parameters closed over),
   norms     SublayerNorms: `input` and `output` callables (None where the placement has none),
-  ctx       ResidualContext: the per-sublayer constants (dt, depth index, step size, ...).
-The model asks the registry which norms to build; the equations live only here.
+  ctx       ResidualContext: the block index, dt, and the placement's own per-sublayer
+            constants and learnable parameters (as arrays).
+A registry entry declares everything else the placement needs: which norms exist, its config
+fields (`options`, added to config.model), its per-sublayer constants and parameters, and
+hooks on the embedding and after each optimizer step. A new placement is one entry here.
 """
 import dataclasses
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax.numpy as jnp
+from flax import nnx
 
+from geonorm_jax import init_rules
 from geonorm_jax import norms as norms_lib
+from geonorm_jax.layers import NgptScale
 
 Array = Any
 Norm = Callable[[Array], Array]
@@ -30,10 +36,33 @@ class ResidualContext:
   layer: int  # 1-based block index l
   num_layers: int  # T
   dt: float = 1.0  # residual step of additive placements
-  geo_step_size: float = 1.0  # alpha_k of GeoNorm
-  geo_theta_max: Optional[float] = None
-  deepnorm_alpha: float = 1.0
-  ngpt_alpha: Optional[Array] = None  # per-feature eigen learning rate of nGPT
+  constants: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # Placement.constants
+  params: Mapping[str, Array] = dataclasses.field(default_factory=dict)  # Placement.sublayer_params
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+  """A config.model field that a placement adds: its default, what it means, and its checks.
+
+  `check(value)` returns an error text (or None); `resolve(value, model_config)` turns an
+  `auto`-style default into the value the model uses.
+  """
+  default: Any
+  help: str
+  check: Callable[[Any], Optional[str]] = lambda value: None
+  resolve: Callable[[Any, Any], Any] = lambda value, model_config: value
+
+
+def positive(value):
+  return None if value > 0 else "must be positive"
+
+
+def non_negative(value):
+  return None if value >= 0 else "must be >= 0"
+
+
+def one_of(*valid):
+  return lambda value: None if value in valid else f"is unknown; valid: {', '.join(valid)}"
 
 
 def pre(x, sublayer, norms, ctx):
@@ -53,14 +82,14 @@ def peri(x, sublayer, norms, ctx):
 
 def deepnorm(x, sublayer, norms, ctx):
   """x' = N(a x + dt F(x)) with a = (2T)^(1/4) for a decoder."""
-  return norms.output(ctx.deepnorm_alpha * x + ctx.dt * sublayer(x))
+  return norms.output(ctx.constants["alpha"] * x + ctx.dt * sublayer(x))
 
 
 def geonorm(x, sublayer, norms, ctx):
   """x' = exp_x(alpha_k * tangent(F(N(x)))): a geodesic step, |x'| == |x|."""
   sublayer_input = x if norms.input is None else norms.input(x)
   g = sublayer(sublayer_input)
-  return norms_lib.geodesic_update(x, g, ctx.geo_step_size, ctx.geo_theta_max)
+  return norms_lib.geodesic_update(x, g, ctx.constants["step_size"], ctx.constants["theta_max"])
 
 
 def simplenorm(x, sublayer, norms, ctx):
@@ -78,7 +107,7 @@ def ngpt(x, sublayer, norms, ctx):
   """x' = L2(x + |a| (L2(F(x)) - x)); the weights are L2-normalised after each step elsewhere."""
   del norms
   h = norms_lib.l2_normalize(sublayer(x))
-  alpha = jnp.abs(ctx.ngpt_alpha).astype(x.dtype)
+  alpha = jnp.abs(ctx.params["alpha"]).astype(x.dtype)
   return norms_lib.l2_normalize(x + alpha * (h - x))
 
 
@@ -92,13 +121,13 @@ def _never(layer, config):
   return False
 
 
-def mixln_post_layers(config):
+def mixln_post_layers(spec):
   """Mix-LN: Post-LN in the first floor(fraction * T) blocks."""
-  return math.floor(config.mixln_fraction * config.num_layers)
+  return math.floor(spec.option("mixln_fraction") * spec.num_layers)
 
 
-def _mixln_is_post(layer, config):
-  return layer <= mixln_post_layers(config)
+def _mixln_is_post(layer, spec):
+  return layer <= mixln_post_layers(spec)
 
 
 def mixln(x, sublayer, norms, ctx):
@@ -106,14 +135,87 @@ def mixln(x, sublayer, norms, ctx):
   return post(x, sublayer, norms, ctx) if norms.output is not None else pre(x, sublayer, norms, ctx)
 
 
-def _geonorm_reads_norm(layer, config):
+def _geonorm_reads_norm(layer, spec):
   del layer
-  return config.geo_sublayer_input == "norm"
+  return spec.option("geo_sublayer_input") == "norm"
+
+
+def geonorm_update_index(layer, sublayer_index, counter):
+  """k of the step-size schedule: the block index, or the sublayer index 1..2T."""
+  return layer if counter == "blocks" else 2 * (layer - 1) + sublayer_index
+
+
+def geonorm_num_updates(num_layers, counter):
+  return num_layers if counter == "blocks" else 2 * num_layers
+
+
+def _geonorm_constants(spec, layer, sublayer_index):
+  counter = spec.option("geo_counter")
+  k = geonorm_update_index(layer, sublayer_index, counter)
+  total = geonorm_num_updates(spec.num_layers, counter)
+  return {"step_size": norms_lib.geonorm_step_size(k, total, spec.option("geo_alpha"),
+                                                   spec.option("geo_schedule")),
+          "theta_max": spec.option("geo_theta_max") or None}
+
+
+GEONORM_OPTIONS = {
+    "geo_alpha": Option(1.0, "alpha of the step-size schedule", positive),
+    "geo_schedule": Option("harmonic", "alpha_k over depth: constant | harmonic (alpha/k) | "
+                           "sqrt (alpha/sqrt(k)) | linear (alpha (T-k+1)/T) | linear_paper "
+                           "(alpha (T-k)/T)", one_of(*norms_lib.SCHEDULES)),
+    "geo_counter": Option("blocks", "what k counts: blocks (k=l) | sublayers (k=1..2T)",
+                          one_of("blocks", "sublayers")),
+    "geo_theta_max": Option(0.0, "clamp on the geodesic angle; 0 = none", non_negative),
+    "geo_sublayer_input": Option("norm", "norm: F reads N(x) | raw: F reads x",
+                                 one_of("norm", "raw")),
+    "geo_radius": Option("sqrt_d", "sqrt_d: the embedding is put on the sqrt(d) sphere | "
+                         "embedding: keep |e|", one_of("sqrt_d", "embedding")),
+}
+
+
+def _deepnorm_constants(spec, layer, sublayer_index):
+  del layer, sublayer_index
+  return {"alpha": norms_lib.deepnorm_alpha(spec.num_layers)}
+
+
+def _ngpt_params(spec, layer):
+  del layer
+  d = spec.d_model
+  return {"alpha": NgptScale(d, spec.option("ngpt_alpha_init"), d ** -0.5, "embed")}
+
+
+# DyT's alpha at init for (attention-input, MLP-input, final) DyT by model width, from the
+# authors' LLaMA commands (jiachenzhu/DyT, other_tasks/LLaMA/README.md: 7B d=4096 0.8/0.2/0.2,
+# 13B d=5120 0.6/0.15/0.15, 34B and 70B d=8192 0.2/0.05/0.05). Narrower models: no published
+# value (open); they take the 7B row.
+DYT_ALPHA_BY_WIDTH = ((4096, (0.8, 0.2, 0.2)), (5120, (0.6, 0.15, 0.15)),
+                      (float("inf"), (0.2, 0.05, 0.05)))
+
+
+def dyt_authors_alphas(d_model):
+  return next(row for width, row in DYT_ALPHA_BY_WIDTH if d_model <= width)
+
+
+def _dyt_alpha(index, site):
+  return Option(0.0, f"DyT's alpha at init for the {site} DyT; 0 = the authors' value for "
+                "this width", non_negative,
+                lambda value, c: float(value) or dyt_authors_alphas(c.d_model)[index])
+
+
+def _scaled_pre(x, sublayer, norms, ctx):
+  """x' = x + dt s F(N(x)), s a learnable scalar per sublayer."""
+  return x + ctx.dt * ctx.params["scale"].astype(x.dtype) * sublayer(norms.input(x))
+
+
+def _scaled_pre_params(spec, layer):
+  del layer
+  return {"scale": nnx.Param(jnp.full((), spec.option("scaled_pre_init"), jnp.float32),
+                             logical_axes=())}
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-  """How one placement wires its norms; `has_input_norm(layer, model_config)` etc. are per block."""
+  """How one placement wires its norms; `has_input_norm(layer, spec)` etc. are per block."""
   name: str
   update: Callable
   has_input_norm: Callable = _never
@@ -126,27 +228,65 @@ class Placement:
   #   scaled: times a learnable scalar initialised to sqrt(d) (DyT's LLaMA recipe).
   embedding_output: str = "none"
   weight_decay: bool = True  # False: no decay at all (nGPT re-normalises its matrices instead)
-  is_ngpt: bool = False
+  options: Mapping[str, Option] = dataclasses.field(default_factory=dict)
+  # (spec, layer, sublayer_index 1|2) -> dict of constants, passed as ctx.constants
+  constants: Optional[Callable] = None
+  # (spec, layer) -> {name: nnx.Param or module}; built once per sublayer, passed (as arrays)
+  # as ctx.params; stored on the block as `attn_<name>` and `mlp_<name>`.
+  sublayer_params: Optional[Callable] = None
+  # (spec, role, layer) -> the std of the normal init of that weight (init_rules.py)
+  init_std: Callable = init_rules.default_std
+  # params -> params, applied at init and after every optimizer step (nGPT's projection)
+  after_update: Optional[Callable] = None
+  is_ngpt: bool = False  # nGPT's attention and MLP internals (model.py)
 
 
 PLACEMENTS = {
     "pre": Placement("pre", pre, has_input_norm=_always),
     "post": Placement("post", post, has_output_norm=_always, final_norm=False),
     "peri": Placement("peri", peri, has_input_norm=_always, has_output_norm=_always),
-    "deepnorm": Placement("deepnorm", deepnorm, has_output_norm=_always, final_norm=False),
+    "deepnorm": Placement("deepnorm", deepnorm, has_output_norm=_always, final_norm=False,
+                          constants=_deepnorm_constants, init_std=init_rules.deepnorm_std),
     "geonorm": Placement("geonorm", geonorm, has_input_norm=_geonorm_reads_norm,
-                         embedding_output="sphere"),
-    "simplenorm": Placement("simplenorm", simplenorm, norm_after_every_linear=True),
+                         embedding_output="sphere", options=GEONORM_OPTIONS,
+                         constants=_geonorm_constants),
+    "simplenorm": Placement("simplenorm", simplenorm, norm_after_every_linear=True,
+                            init_std=init_rules.simplenorm_std),
     "lns": Placement("lns", layernorm_scaling, has_input_norm=_always),
     "mixln": Placement("mixln", mixln, has_input_norm=lambda l, c: not _mixln_is_post(l, c),
-                       has_output_norm=_mixln_is_post),
+                       has_output_norm=_mixln_is_post, options={"mixln_fraction": Option(
+                           0.25, "Mix-LN: Post-LN in the first floor(fraction T) blocks",
+                           lambda v: None if 0.0 <= v <= 1.0 else "must lie in [0, 1]")}),
     # NVIDIA/ngpt train.py: weight_decay = 0.0 when use_nGPT (the matrices are re-normalised).
     "ngpt": Placement("ngpt", ngpt, final_norm=False, embedding_output="unit", weight_decay=False,
+                      options={"ngpt_alpha_init": Option(
+                          0.05, "nGPT's eigen learning rate alpha at init", positive)},
+                      sublayer_params=_ngpt_params, after_update=init_rules.normalize_ngpt_weights,
                       is_ngpt=True),
     "dyt": Placement("dyt", pre, has_input_norm=_always, stream_norm="dyt",
-                     embedding_output="scaled"),
+                     embedding_output="scaled",
+                     options={"dyt_alpha_attn": _dyt_alpha(0, "attention-input"),
+                              "dyt_alpha_ffn": _dyt_alpha(1, "MLP-input"),
+                              "dyt_alpha_final": _dyt_alpha(2, "final")}),
+    # Pre-LN with a learnable scalar on each sublayer's output (a scalar LayerScale/ReZero gate
+    # that keeps the pre-norm): the example of a placement added in this file alone.
+    "scaled_pre": Placement("scaled_pre", _scaled_pre, has_input_norm=_always,
+                            options={"scaled_pre_init": Option(
+                                1.0, "scaled_pre: the sublayer scale s at init", non_negative)},
+                            sublayer_params=_scaled_pre_params),
 }
 ALIASES = {"sandwich": "peri"}
+
+
+def all_options():
+  """Every placement's config fields (a name may belong to one placement only)."""
+  options = {}
+  for placement in PLACEMENTS.values():
+    for name, option in placement.options.items():
+      if name in options:
+        raise ValueError(f"config field model.{name} is declared by two placements")
+      options[name] = option
+  return options
 
 
 def valid_names():
@@ -160,11 +300,3 @@ def get_placement(name):
     raise ValueError(f"model.placement={name!r} is unknown; valid: {', '.join(valid_names())}")
   return PLACEMENTS[resolved]
 
-
-def geonorm_update_index(layer, sublayer_index, counter):
-  """k of the step-size schedule: the block index, or the sublayer index 1..2T."""
-  return layer if counter == "blocks" else 2 * (layer - 1) + sublayer_index
-
-
-def geonorm_num_updates(num_layers, counter):
-  return num_layers if counter == "blocks" else 2 * num_layers

@@ -5,14 +5,11 @@ sample, hessian, conversion from Hugging Face).
 """
 import dataclasses
 
-from geonorm_jax import norms, placements
+from geonorm_jax import placements
 
 BACKBONES = ("gpt2", "llama")
 NORM_KINDS = ("layernorm", "rmsnorm")
 DTYPES = ("float32", "bfloat16", "float16")
-GEO_COUNTERS = ("blocks", "sublayers")
-GEO_INPUTS = ("norm", "raw")
-GEO_RADII = ("sqrt_d", "embedding")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,17 +35,15 @@ class ModelSpec:
   init_std: float
   dtype: str
   remat: bool
-  geo_alpha: float
-  geo_schedule: str
-  geo_counter: str
-  geo_theta_max: float
-  geo_sublayer_input: str
-  geo_radius: str
-  mixln_fraction: float
-  ngpt_alpha_init: float
-  dyt_alpha_attn: float
-  dyt_alpha_ffn: float
-  dyt_alpha_final: float
+  # Every placement's own fields (placements.Option), resolved: ((name, value), ...).
+  options: tuple = ()
+
+  def option(self, name):
+    """A placement field's resolved value, e.g. spec.option("geo_alpha")."""
+    for key, value in self.options:
+      if key == name:
+        return value
+    raise KeyError(f"model.{name} is not a field of any placement")
 
   @property
   def head_dim(self):
@@ -90,27 +85,6 @@ def _positive(field, value):
   return value
 
 
-# DyT's alpha at init for (attention-input, MLP-input, final) DyT by model width, from the
-# authors' LLaMA commands (jiachenzhu/DyT, other_tasks/LLaMA/README.md: 7B d=4096 0.8/0.2/0.2,
-# 13B d=5120 0.6/0.15/0.15, 34B and 70B d=8192 0.2/0.05/0.05). Narrower models: no published
-# value (open); they take the 7B row.
-DYT_ALPHA_BY_WIDTH = ((4096, (0.8, 0.2, 0.2)), (5120, (0.6, 0.15, 0.15)),
-                      (float("inf"), (0.2, 0.05, 0.05)))
-
-
-def dyt_alphas(c):
-  """(attention, ffn, final) alpha_0: the config's where set (> 0), else the authors' table."""
-  table = next(row for width, row in DYT_ALPHA_BY_WIDTH if c.d_model <= width)
-  fields = ("dyt_alpha_attn", "dyt_alpha_ffn", "dyt_alpha_final")
-  values = []
-  for field, default in zip(fields, table):
-    value = getattr(c, field)
-    if value < 0:
-      raise ValueError(f"model.{field}={value} must be positive (or 0 for the authors' value)")
-    values.append(float(value) or default)
-  return tuple(values)
-
-
 def llama_ffn_width(d_model, multiple_of):
   """LLaMA's SwiGLU hidden width: 2/3 of 4d, rounded up to a multiple (4096 -> 11008)."""
   hidden = int(2 * 4 * d_model / 3)
@@ -137,15 +111,13 @@ def resolve(model_config):
   if backbone == "llama" and (c.d_model // c.num_heads) % 2:
     raise ValueError(f"RoPE needs an even head dimension; model.d_model/model.num_heads="
                      f"{c.d_model // c.num_heads}")
-  _choice("geo_schedule", c.geo_schedule, norms.SCHEDULES)
-  _choice("geo_counter", c.geo_counter, GEO_COUNTERS)
-  _choice("geo_sublayer_input", c.geo_sublayer_input, GEO_INPUTS)
-  _choice("geo_radius", c.geo_radius, GEO_RADII)
   _choice("dtype", c.dtype, DTYPES)
-  if not 0.0 <= c.mixln_fraction <= 1.0:
-    raise ValueError(f"model.mixln_fraction={c.mixln_fraction} must lie in [0, 1]")
-  if c.geo_theta_max < 0:
-    raise ValueError(f"model.geo_theta_max={c.geo_theta_max} must be >= 0 (0 = no clamp)")
+  options = []
+  for name, option in placements.all_options().items():
+    problem = option.check(c[name])
+    if problem:
+      raise ValueError(f"model.{name}={c[name]!r} {problem}")
+    options.append((name, option.resolve(c[name], c)))
   norm_kind = c.norm_kind
   if norm_kind == "auto":
     norm_kind = "layernorm" if backbone == "gpt2" else "rmsnorm"
@@ -165,9 +137,4 @@ def resolve(model_config):
       tie_embeddings=_auto_bool("tie_embeddings", c.tie_embeddings, backbone == "gpt2"),
       rope_theta=float(c.rope_theta), qk_norm=bool(c.qk_norm), dt=float(c.dt),
       embed_norm=bool(c.embed_norm), init_std=float(c.init_std), dtype=c.dtype,
-      remat=bool(c.remat), geo_alpha=float(c.geo_alpha), geo_schedule=c.geo_schedule,
-      geo_counter=c.geo_counter, geo_theta_max=float(c.geo_theta_max),
-      geo_sublayer_input=c.geo_sublayer_input, geo_radius=c.geo_radius,
-      mixln_fraction=float(c.mixln_fraction),
-      ngpt_alpha_init=float(c.ngpt_alpha_init),
-      **dict(zip(("dyt_alpha_attn", "dyt_alpha_ffn", "dyt_alpha_final"), dyt_alphas(c))))
+      remat=bool(c.remat), options=tuple(options))

@@ -21,7 +21,7 @@ from geonorm_jax import collapse
 from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
 from geonorm_jax import hessian_callback
-from geonorm_jax import init_rules, losses, metrics, optim, placements
+from geonorm_jax import losses, metrics, optim, placements
 from geonorm_jax import model as model_lib
 from geonorm_jax import sharding as sharding_lib
 from geonorm_jax import spec as spec_lib
@@ -110,7 +110,7 @@ def _accumulated_grads(graphdef, params, tokens_AxBxL1):
 def make_train_step(setup):
   """jit(state, tokens_AxBxL1) -> (state, metrics), state donated, shardings pinned."""
   graphdef, optimizer, schedule = setup.graphdef, setup.optimizer, setup.schedule
-  is_ngpt = placements.get_placement(setup.spec.placement).is_ngpt
+  after_update = placements.get_placement(setup.spec.placement).after_update
   with_layer_stats = setup.config.train.layer_stats_every > 0
 
   def train_step(state, tokens_AxBxL1):
@@ -118,8 +118,8 @@ def make_train_step(setup):
     loss, grads = _accumulated_grads(graphdef, params, tokens_AxBxL1)
     updates, opt_state = optimizer.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
-    if is_ngpt:
-      new_params = init_rules.normalize_ngpt_weights(new_params)
+    if after_update is not None:  # e.g. nGPT's projection of every matrix onto the sphere
+      new_params = after_update(new_params)
     step_metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                     "lr": schedule(state["step"])}
     if with_layer_stats:

@@ -11,7 +11,6 @@ from flax import nnx
 
 from geonorm_jax import collapse
 from geonorm_jax import config as config_lib
-from geonorm_jax import init_rules
 from geonorm_jax import model as model_lib
 from geonorm_jax import spec as spec_lib
 from geonorm_jax import train
@@ -48,16 +47,16 @@ def test_simplenorm_init_scales_only_the_simplegpt_matrices(backbone):
   spec = _spec(f"placement=simplenorm,backbone={backbone}")
   for layer in (1, 3):
     scaled = 0.02 / math.sqrt(2 * layer)
-    assert init_rules.init_std(spec, "q", layer) == 0.02
-    assert init_rules.init_std(spec, "o", layer) == pytest.approx(scaled)
-    assert init_rules.init_std(spec, "down", layer) == pytest.approx(scaled)
+    assert model_lib.init_std(spec, "q", layer) == 0.02
+    assert model_lib.init_std(spec, "o", layer) == pytest.approx(scaled)
+    assert model_lib.init_std(spec, "down", layer) == pytest.approx(scaled)
     if backbone == "gpt2":  # GELU MLP: W_1 is the first matrix, plain std
-      assert init_rules.init_std(spec, "up", layer) == 0.02
+      assert model_lib.init_std(spec, "up", layer) == 0.02
     else:  # SwiGLU: W_1 (gate, through silu) plain, W_3 (up) depth-scaled
-      assert init_rules.init_std(spec, "gate", layer) == 0.02
-      assert init_rules.init_std(spec, "up", layer) == pytest.approx(scaled)
-  assert init_rules.init_std(spec, "head") == pytest.approx(128 ** -0.5)
-  assert init_rules.init_std(spec, "embed") == 1.0  # untied
+      assert model_lib.init_std(spec, "gate", layer) == 0.02
+      assert model_lib.init_std(spec, "up", layer) == pytest.approx(scaled)
+  assert model_lib.init_std(spec, "head") == pytest.approx(128 ** -0.5)
+  assert model_lib.init_std(spec, "embed") == 1.0  # untied
 
 
 def test_dyt_alpha_by_site_follows_the_authors_table():
@@ -65,9 +64,9 @@ def test_dyt_alpha_by_site_follows_the_authors_table():
   for width, expected in [(4096, (0.8, 0.2, 0.2)), (5120, (0.6, 0.15, 0.15)),
                           (8192, (0.2, 0.05, 0.05)), (128, (0.8, 0.2, 0.2))]:
     spec = _spec(f"placement=dyt,d_model={width},num_heads=4")
-    assert (spec.dyt_alpha_attn, spec.dyt_alpha_ffn, spec.dyt_alpha_final) == expected
+    assert tuple(spec.option(f"dyt_alpha_{s}") for s in ("attn", "ffn", "final")) == expected
   spec = _spec("placement=dyt,dyt_alpha_attn=0.5,dyt_alpha_final=0.3")
-  assert (spec.dyt_alpha_attn, spec.dyt_alpha_ffn, spec.dyt_alpha_final) == (0.5, 0.2, 0.3)
+  assert tuple(spec.option(f"dyt_alpha_{s}") for s in ("attn", "ffn", "final")) == (0.5, 0.2, 0.3)
   with pytest.raises(ValueError, match="model.dyt_alpha_ffn"):
     _spec("placement=dyt,dyt_alpha_ffn=-1")
 

@@ -145,7 +145,7 @@ def test_deepnorm_residual_scale():
   x = jnp.ones((1, 2, 256))
   f = lambda h: h * 0.5
   norms_ = placements.SublayerNorms(output=lambda h: h)
-  ctx = placements.ResidualContext(layer=1, num_layers=6, deepnorm_alpha=12 ** 0.25)
+  ctx = placements.ResidualContext(layer=1, num_layers=6, constants={"alpha": 12 ** 0.25})
   np.testing.assert_allclose(placements.deepnorm(x, f, norms_, ctx), 12 ** 0.25 + 0.5, rtol=1e-6)
 
 

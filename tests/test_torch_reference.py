@@ -60,6 +60,7 @@ CASES = [
     # The rest of nGPT on llama (GQA, SwiGLU with s_u, s_v) stays checked with geonorm_jax's order.
     _case("llama", "ngpt", reference=dict(ngpt_rope="after_scale")),
     *[_case(b, "dyt") for b in _BACKBONES],
+    *[_case(b, "scaled_pre") for b in _BACKBONES],
     *[_case(b, "geonorm") for b in _BACKBONES],  # harmonic, k counts blocks
     *[_case("gpt2" if s in ("constant", "sqrt") else "llama", "geonorm", geo_schedule=s,
             geo_counter=c, geo_alpha=2.0, num_layers=3)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # Placements whose stream ends in a norm before the head.
-_FINAL_NORM = ("pre", "peri", "geonorm", "simplenorm", "lns", "mixln", "dyt")
+_FINAL_NORM = ("pre", "peri", "geonorm", "simplenorm", "lns", "mixln", "dyt", "scaled_pre")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +259,7 @@ class Block(nn.Module):
     self.attn, self.mlp = Attention(hp), MLP(hp)
     p = hp.placement
     post_here = p == "mixln" and layer <= math.floor(hp.mixln_fraction * hp.num_layers)
-    has_in = (p in ("pre", "peri", "lns", "dyt") or (p == "mixln" and not post_here)
+    has_in = (p in ("pre", "peri", "lns", "dyt", "scaled_pre") or (p == "mixln" and not post_here)
               or (p == "geonorm" and hp.geo_sublayer_input == "norm"))
     has_out = p in ("post", "peri", "deepnorm") or post_here
     self.mode = "post" if post_here else ("pre" if p == "mixln" else p)
@@ -271,12 +271,17 @@ class Block(nn.Module):
     ngpt_alpha = lambda: Scale(hp.d_model, hp.ngpt_alpha_init, hp.d_model ** -0.5)
     self.attn_alpha = _maybe(p == "ngpt", ngpt_alpha)
     self.mlp_alpha = _maybe(p == "ngpt", ngpt_alpha)
+    # scaled_pre: a learnable scalar on each sublayer's output.
+    self.attn_scale = _maybe(p == "scaled_pre", lambda: nn.Parameter(torch.tensor(1.0)))
+    self.mlp_scale = _maybe(p == "scaled_pre", lambda: nn.Parameter(torch.tensor(1.0)))
     self.geodesic_angles = []  # GeoNorm's theta before any clamp, for the test to inspect
 
-  def _update(self, x, sublayer, norm_in, norm_out, alpha, sublayer_index):
+  def _update(self, x, sublayer, norm_in, norm_out, alpha, scale, sublayer_index):
     hp, mode, dt = self.hp, self.mode, self.hp.dt
     if mode in ("pre", "dyt"):
       return x + dt * sublayer(norm_in(x))
+    if mode == "scaled_pre":
+      return x + dt * scale * sublayer(norm_in(x))
     if mode == "post":
       return norm_out(x + dt * sublayer(x))
     if mode == "peri":
@@ -312,8 +317,9 @@ class Block(nn.Module):
 
   def forward(self, x_BxLxD):
     x_BxLxD = self._update(x_BxLxD, self.attn, self.attn_in_norm, self.attn_out_norm,
-                           self.attn_alpha, 1)
-    return self._update(x_BxLxD, self.mlp, self.mlp_in_norm, self.mlp_out_norm, self.mlp_alpha, 2)
+                           self.attn_alpha, self.attn_scale, 1)
+    return self._update(x_BxLxD, self.mlp, self.mlp_in_norm, self.mlp_out_norm, self.mlp_alpha,
+                        self.mlp_scale, 2)
 
 
 class ReferenceTransformer(nn.Module):

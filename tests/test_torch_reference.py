@@ -141,4 +141,5 @@ def test_logits_and_gradients_match_the_torch_reference(overrides, reference_onl
   if overrides.get("geo_theta_max"):
     # The clamp must bite on some tokens and not on others, or this case tests neither branch.
     thetas = torch.cat([t.flatten() for t in reference.geodesic_angles()])
-    assert (thetas > overrides["geo_theta_max"]).any() and (thetas < overrides["geo_theta_max"]).any()
+    theta_max = overrides["geo_theta_max"]
+    assert (thetas > theta_max).any() and (thetas < theta_max).any()

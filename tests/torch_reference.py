@@ -87,7 +87,7 @@ def unit(x):
 
 
 class Norm(nn.Module):
-  """LayerNorm (biased variance), RMSNorm or DyT `gain * tanh(alpha x) + bias` over the last axis."""
+  """LayerNorm (biased variance), RMSNorm or DyT `gain * tanh(alpha x) + bias`, last axis."""
 
   def __init__(self, width, kind, eps, bias):
     super().__init__()
@@ -299,7 +299,10 @@ class Block(nn.Module):
     raise ValueError(mode)
 
   def _geodesic(self, x, g, sublayer_index):
-    """x' = cos(theta') x + alpha sin(theta')/theta v, v = g - (<x,g>/<x,x>) x, theta = alpha|v|/|x|."""
+    """x' = cos(theta') x + alpha sin(theta')/theta v, theta' = min(theta, theta_max).
+
+    v = g - (<x,g>/<x,x>) x is g's part tangent to the sphere at x; theta = alpha |v| / |x|.
+    """
     hp = self.hp
     if hp.geo_counter == "blocks":
       k, total = self.layer, hp.num_layers

@@ -195,12 +195,15 @@ def eval_batches(setup):
 
 
 def flops_per_token(setup, seq_len):
-  """6N + 12 L d T with N the non-embedding parameters (the setup's abstract params)."""
+  """6N + 12 L d T, N the parameters that multiply (the setup's abstract params) as nanoGPT
+  counts them: the lookups (learned positions, and the token embedding when the head is a
+  separate matrix) do no matmul; a tied embedding is the head's matmul and counts."""
   spec = setup.spec
-  embedding = spec.vocab_size * spec.d_model + (spec.max_seq_len * spec.d_model
-                                                if spec.backbone == "gpt2" else 0)
+  lookups = spec.max_seq_len * spec.d_model if spec.backbone == "gpt2" else 0
+  if not spec.tie_embeddings:
+    lookups += spec.vocab_size * spec.d_model
   num_params = model_lib.count_params(setup.abstract_state["params"])
-  return metrics.model_flops_per_token(num_params - embedding,
+  return metrics.model_flops_per_token(num_params - lookups,
                                        spec.num_layers, spec.d_model, seq_len)
 
 

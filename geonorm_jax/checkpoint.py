@@ -250,9 +250,10 @@ def _as_abstract(leaf):
 
 
 def _one_line(err: BaseException, limit: int = 300) -> str:
-  """The last non-empty line of an exception (orbax/tensorstore put the cause last)."""
+  """The first line of an exception, without tensorstore's multi-page spec dump."""
   lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-  text = f"{type(err).__name__}: {lines[-1] if lines else ''}"
+  first = lines[0].split(" See full TensorStore details")[0] if lines else ""
+  text = f"{type(err).__name__}: {first}"
   return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -365,8 +366,16 @@ class Checkpointer:
   def poll(self) -> int | None:
     """Non-blocking: if the save in flight has finished, raise CheckpointSaveError when it
     failed (at once, not at the next save one interval later). Returns the durable step."""
-    if self._unconfirmed_step is not None and not self._manager.is_saving_in_progress():
-      self._confirm()
+    if self._unconfirmed_step is not None:
+      try:
+        # Raises the background thread's error as soon as it has one; is_saving_in_progress
+        # stays true after a failed write until the next save waits on it.
+        self._manager.check_for_errors()
+      except Exception as err:  # pylint: disable=broad-except
+        step, self._unconfirmed_step = self._unconfirmed_step, None
+        raise self._save_error(step, err) from err
+      if not self._manager.is_saving_in_progress():
+        self._confirm()
     return self.durable_step
 
   def _confirm(self):

@@ -79,7 +79,10 @@ def _root_message(err):
 def _config_value():
   """--config, loaded (ml_collections loads the file lazily and hides why it failed)."""
   try:
-    return _CONFIG.value
+    config = _CONFIG.value
+    if config is not None:
+      config.keys()  # the placeholder of a file that failed to load raises only when read
+    return config
   except Exception as e:  # pylint: disable=broad-except
     raise CommandError(f"--config: {_root_message(e)}") from None
 

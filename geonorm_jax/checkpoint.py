@@ -594,7 +594,8 @@ class WorkdirLock:
 
   The kernel's flock is released when its process dies, however it dies (SIGKILL, OOM, a
   lost node), so a crashed trainer never leaves a stale lock: the file may remain, the lock
-  does not. The file's text (pid, host, start time) only serves the error message.
+  does not. A clean exit removes the file. The file's text (pid, host, start time) only
+  serves the error message.
   """
 
   def __init__(self, workdir: str | os.PathLike):
@@ -605,22 +606,31 @@ class WorkdirLock:
     if jax.process_index() != 0:
       return self
     os.makedirs(os.path.dirname(self.path), exist_ok=True)
-    lock_file = open(self.path, "a+", encoding="utf-8")  # pylint: disable=consider-using-with
-    try:
-      fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-      if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-        # A filesystem without flock (some network mounts): run unlocked rather than not at all.
-        print(f"WARNING: cannot lock {self.path} ({err}); make sure no other trainer uses "
-              "this workdir", file=sys.stderr, flush=True)
+    while True:
+      lock_file = open(self.path, "a+", encoding="utf-8")  # pylint: disable=consider-using-with
+      try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except OSError as err:
+        lock_file.seek(0)
+        holder = lock_file.read().strip() or "unknown process"
         lock_file.close()
-        return self
-      lock_file.seek(0)
-      holder = lock_file.read().strip() or "unknown process"
+        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+          # A filesystem without flock (some network mounts): run unlocked, not not at all.
+          print(f"WARNING: cannot lock {self.path} ({err}); make sure no other trainer uses "
+                "this workdir", file=sys.stderr, flush=True)
+          return self
+        raise WorkdirBusyError(
+            f"workdir {os.path.dirname(self.path)} is in use by another trainer ({holder}); "
+            "wait for it to finish, stop it, or choose another --workdir") from None
+      # The holder we waited on may have unlinked the file on release; a lock on that
+      # orphaned inode would guard nothing, so lock the file now at the path instead.
+      try:
+        same_file = os.stat(self.path).st_ino == os.fstat(lock_file.fileno()).st_ino
+      except FileNotFoundError:
+        same_file = False
+      if same_file:
+        break
       lock_file.close()
-      raise WorkdirBusyError(
-          f"workdir {os.path.dirname(self.path)} is in use by another trainer ({holder}); "
-          "wait for it to finish, stop it, or choose another --workdir") from None
     lock_file.seek(0)
     lock_file.truncate()
     lock_file.write(f"pid {os.getpid()} on host {socket.gethostname()}, since "
@@ -630,7 +640,13 @@ class WorkdirLock:
     return self
 
   def release(self) -> None:
+    """Removes the file (while still holding the lock) and unlocks: a run that was refused
+    or had nothing to do leaves the workdir as it found it."""
     if self._file is not None:
+      try:
+        os.unlink(self.path)
+      except FileNotFoundError:
+        pass
       fcntl.flock(self._file, fcntl.LOCK_UN)
       self._file.close()
       self._file = None

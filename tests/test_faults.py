@@ -50,7 +50,7 @@ def _steps_on_disk(workdir):
   return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
 
 
-def _snapshot(workdir, ignore=(checkpoint_lib.LOCK_FILENAME,)):
+def _snapshot(workdir, ignore=()):
   entries = []
   for root, dirs, files in os.walk(workdir):
     for name in dirs + files:
@@ -265,13 +265,14 @@ def test_failed_save_is_reported_and_the_rerun_logs_no_step_twice(reference, tmp
 
 def test_a_second_trainer_meets_the_lock_and_writes_nothing(reference, tmp_path):
   workdir = _copy(reference, tmp_path)
-  before = _snapshot(workdir)
   config = _config()
   config.train.steps = 40
   with checkpoint_lib.WorkdirLock(workdir):
+    before = _snapshot(workdir)
     with pytest.raises(checkpoint_lib.WorkdirBusyError, match=f"pid {os.getpid()}"):
       train_lib.train(config, workdir)
-  assert _snapshot(workdir) == before
+    assert _snapshot(workdir) == before
+  assert not os.path.exists(os.path.join(workdir, checkpoint_lib.LOCK_FILENAME))
 
 
 def test_a_killed_trainer_leaves_no_stuck_lock(tmp_path):

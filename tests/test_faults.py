@@ -69,9 +69,10 @@ def _params_finite(workdir, step):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  """A good 30-step run, checkpoints 10, 20, 30; its losses are the ground truth."""
+  """A good 30-step run, checkpoints 10, 20, 30; its losses are the ground truth. Its spike
+  factor (not fingerprinted, like every train.* key) is set low enough to log spikes."""
   workdir = str(tmp_path_factory.mktemp("faults") / "reference")
-  summary = train_lib.train(_config(), workdir)
+  summary = train_lib.train(_config("train.spike_factor=1.0001"), workdir)
   assert summary["final_step"] == STEPS and summary["skipped_steps"] == 0
   assert _steps_on_disk(workdir) == [10, 20, 30]
   return dict(workdir=workdir, train=_losses(workdir), eval=_losses(workdir, "eval"),
@@ -144,16 +145,16 @@ def test_skip_keeps_params_and_optimizer_state_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
 
 
-def test_loss_spikes_are_logged_as_events(tmp_path):
-  # A spike factor just above 1 marks any loss above the running median: the detector's
-  # arithmetic, checked against the logged losses.
-  workdir = str(tmp_path / "spikes")
-  summary = train_lib.train(_config("train.spike_factor=1.0001,train.lr=3e-2"), workdir)
+def test_loss_spikes_are_logged_as_events(reference):
+  # The reference run uses a spike factor just above 1, which marks any loss above the
+  # running median: the detector's arithmetic, checked against the logged losses.
+  workdir = reference["workdir"]
   spikes = [r for r in _records(workdir, "events") if "loss_spike" in r]
-  assert summary["loss_spikes"] == len(spikes)
+  assert reference["summary"]["loss_spikes"] == len(spikes) > 0
   losses = _losses(workdir)
   for record in spikes:
     earlier = [losses[s] for s in range(max(1, record["step"] - 100), record["step"])]
+    assert len(earlier) >= 10  # no spike is judged on fewer than 10 losses
     assert record["running_median"] == pytest.approx(float(np.median(earlier)))
     assert record["loss_spike"] == losses[record["step"]] > 1.0001 * record["running_median"]
 
@@ -394,3 +395,83 @@ def test_summary_and_config_writes_replace_symlinks_instead_of_following_them(tm
   assert outside.read_text() == "precious"
   assert not os.path.islink(workdir / "summary.json")
   assert json.loads((workdir / "summary.json").read_text()) == {"a": 1}
+
+
+# --- property: every valid config trains, every invalid one is refused naming its field -------
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+
+@st.composite
+def _valid_configs(draw):
+  from geonorm_jax import placements  # pylint: disable=g-import-not-at-top
+  backbone = draw(st.sampled_from(["gpt2", "llama"]))
+  num_heads = draw(st.sampled_from([1, 2]))
+  head_dim = draw(st.sampled_from([8, 16]))  # even, as RoPE needs
+  config = config_lib.get_config(
+      "tiny,num_layers=1,seq_len=8,max_seq_len=8,batch_size=2,train.progress_bar=false,"
+      "train.steps=10,train.warmup_steps=2")
+  config.model.update(dict(
+      backbone=backbone, placement=draw(st.sampled_from(sorted(placements.PLACEMENTS))),
+      num_layers=1, d_model=num_heads * head_dim, num_heads=num_heads,
+      dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+      dt=draw(st.floats(0.05, 1.0)), qk_norm=draw(st.booleans())))
+  config.train.update(dict(
+      lr=draw(st.floats(1e-5, 1e-2)), b1=draw(st.floats(0.0, 0.99)),
+      b2=draw(st.floats(0.0, 0.999)), weight_decay=draw(st.floats(0.0, 0.5)),
+      clip_norm=draw(st.sampled_from([0.0, 0.5, 1.0])),
+      min_lr_ratio=draw(st.floats(0.0, 1.0))))
+  return config
+
+
+# Each example compiles a train step (seconds on a 2-core CPU): a few examples per run, drawn
+# deterministically, cover the grid over time as the strategy changes.
+@hypothesis.settings(max_examples=4, deadline=None, derandomize=True,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(_valid_configs())
+def test_property_every_valid_config_trains_to_a_finite_loss(config):
+  train_lib.validate(config, num_devices=1)
+  setup = train_lib.make_setup(config, jax.devices()[:1])
+  state = train_lib.init_state(setup)
+  step_fn = train_lib.make_train_step(setup)
+  iterator = data_lib.make_train_iterator(config)
+  for _ in range(2):  # the second loss is after one update
+    state, step_metrics = step_fn(state, train_lib.global_batch(setup, next(iterator)))
+    assert np.isfinite(float(step_metrics["loss"])), config.model
+    assert float(step_metrics["nonfinite"]) == 0.0
+
+
+# field -> values that no run can use
+_INVALID = {
+    "train.lr": st.sampled_from([0.0, -1.0, float("nan"), float("inf")]),
+    "train.steps": st.integers(-5, 0),
+    "train.b1": st.one_of(st.floats(1.0, 10.0), st.floats(-10.0, -1e-3)),
+    "train.b2": st.one_of(st.floats(1.0, 10.0), st.floats(-10.0, -1e-3)),
+    "train.weight_decay": st.floats(-10.0, -1e-3),
+    "train.clip_norm": st.floats(-10.0, -1e-3),
+    "train.min_lr_ratio": st.one_of(st.floats(-10.0, -1e-3), st.floats(1.001, 10.0)),
+    "train.hessian_every": st.integers(-5, -1),
+    "train.spike_factor": st.floats(-5.0, 1.0).filter(lambda v: v != 0.0),
+    "checkpoint.every": st.integers(-5, -1),
+    "checkpoint.keep_last": st.integers(-5, -1),
+    "checkpoint.keep_every": st.integers(-5, -1),
+    "model.geo_alpha": st.floats(-10.0, 0.0),
+    "model.ngpt_alpha_init": st.floats(-10.0, 0.0),
+    "model.rope_theta": st.floats(-1e4, 0.0),
+    "model.dt": st.floats(-10.0, 0.0),
+    "model.d_model": st.integers(-4, 0),
+}
+
+
+@hypothesis.settings(max_examples=60, deadline=None, derandomize=True)
+@hypothesis.given(st.sampled_from(sorted(_INVALID)).flatmap(
+    lambda field: st.tuples(st.just(field), _INVALID[field])))
+def test_property_every_invalid_value_is_refused_naming_its_field(field_and_value):
+  field, value = field_and_value
+  config = _config()
+  section, name = field.split(".")
+  config[section][name] = value
+  with pytest.raises(ValueError) as info:
+    train_lib.validate(config)
+  assert str(info.value).startswith(f"{field}="), (field, value, str(info.value))

@@ -248,10 +248,29 @@ _SPIKE_MIN_HISTORY = 10
 SUMMARY_FILENAME = "summary.json"
 
 
+class SpikeDetector:
+  """Flags a finite loss above `factor` x the median of the previous `window` finite losses
+  (judged only once `min_history` are known); factor 0 turns it off."""
+
+  def __init__(self, factor, window=_SPIKE_WINDOW, min_history=_SPIKE_MIN_HISTORY):
+    self.factor, self.min_history = factor, min_history
+    self.recent = collections.deque(maxlen=window)
+
+  def observe(self, loss):
+    """The running median if `loss` is a spike, else None; `loss` joins the history."""
+    median = None
+    if self.factor and len(self.recent) >= self.min_history:
+      median = float(np.median(self.recent))
+      if not loss > self.factor * median:
+        median = None
+    self.recent.append(loss)
+    return median
+
+
 class _Run:
   """The loop's bookkeeping: throughput window, last values, divergence and spike tracking."""
 
-  def __init__(self, start_step, skipped_steps):
+  def __init__(self, start_step, skipped_steps, spike_factor):
     self.window_start = time.perf_counter()
     self.window_steps = 0
     self.tokens_per_s = float("nan")
@@ -260,7 +279,7 @@ class _Run:
     self.start_step = start_step
     self.skipped_steps = skipped_steps  # over the whole run, restored from the checkpoint
     self.spikes = 0
-    self.recent_losses = collections.deque(maxlen=_SPIKE_WINDOW)
+    self.spike_detector = SpikeDetector(spike_factor)
 
 
 def _divergence_message(step, values, diagnostics, durable_step, workdir):
@@ -373,10 +392,9 @@ def _train_locked(config, workdir, setup, restore_step):
   bar = metrics.ProgressBar(config.train.steps, start_step=start,
                             enabled=config.train.progress_bar and jax.process_index() == 0)
   ckpt.install_sigterm_handler()
-  run = _Run(start, int(ckpt.restored_meta.get("skipped_steps", 0)))
+  run = _Run(start, int(ckpt.restored_meta.get("skipped_steps", 0)), config.train.spike_factor)
   pending = None
   started = time.perf_counter()
-  spike_factor = config.train.spike_factor
 
   def log_train(step, step_metrics):
     scalars = {k: v for k, v in step_metrics.items() if not k.startswith(_DIAGNOSTIC_PREFIX)}
@@ -392,13 +410,11 @@ def _train_locked(config, workdir, setup, restore_step):
       writer.write_scalars(step, {"skipped": 1.0, "skipped_total": run.skipped_steps,
                                   **values}, split="events")
     else:
-      if spike_factor and len(run.recent_losses) >= _SPIKE_MIN_HISTORY:
-        median = float(np.median(run.recent_losses))
-        if values["loss"] > spike_factor * median:
-          run.spikes += 1
-          writer.write_scalars(step, {"loss_spike": values["loss"], "running_median": median,
-                                      "ratio": values["loss"] / median}, split="events")
-      run.recent_losses.append(values["loss"])
+      median = run.spike_detector.observe(values["loss"])
+      if median is not None:
+        run.spikes += 1
+        writer.write_scalars(step, {"loss_spike": values["loss"], "running_median": median,
+                                    "ratio": values["loss"] / median}, split="events")
     run.last_train_loss = values["loss"]
     bar.update(step, values["loss"])
     if step % config.train.log_every == 0 or step == config.train.steps:

@@ -145,18 +145,31 @@ def test_skip_keeps_params_and_optimizer_state_bit_for_bit():
     np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
 
 
+def test_spike_detector_against_a_hand_computed_median():
+  detector = train_lib.SpikeDetector(3.0, window=4, min_history=3)
+  flags = [detector.observe(loss) for loss in [1.0, 2.0, 9.0, 3.0, 2.5, 7.0, 100.0, 1.0]]
+  # 9 comes after only 2 losses (not judged); 7 is below 3 x median(2, 9, 3, 2.5) = 8.25;
+  # 100 > 3 x median(9, 3, 2.5, 7) = 15: a spike.
+  assert flags == [None, None, None, None, None, None, 5.0, None]
+  assert train_lib.SpikeDetector(0.0, min_history=0).observe(1e9) is None  # off
+
+
 def test_loss_spikes_are_logged_as_events(reference):
   # The reference run uses a spike factor just above 1, which marks any loss above the
-  # running median: the detector's arithmetic, checked against the logged losses.
+  # running median: every logged event checked against the logged losses.
   workdir = reference["workdir"]
   spikes = [r for r in _records(workdir, "events") if "loss_spike" in r]
-  assert reference["summary"]["loss_spikes"] == len(spikes) > 0
+  assert reference["summary"]["loss_spikes"] == len(spikes)
   losses = _losses(workdir)
   for record in spikes:
     earlier = [losses[s] for s in range(max(1, record["step"] - 100), record["step"])]
     assert len(earlier) >= 10  # no spike is judged on fewer than 10 losses
     assert record["running_median"] == pytest.approx(float(np.median(earlier)))
     assert record["loss_spike"] == losses[record["step"]] > 1.0001 * record["running_median"]
+  flagged = {r["step"] for r in spikes}
+  for step in range(11, STEPS + 1):  # and no step above the median went unflagged
+    median = float(np.median([losses[s] for s in range(1, step)]))
+    assert (losses[step] > 1.0001 * median) == (step in flagged), step
 
 
 # --- 2. corrupt checkpoints -------------------------------------------------------------------

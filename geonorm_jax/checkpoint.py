@@ -23,6 +23,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import signal
 import socket
@@ -151,6 +152,9 @@ def _default_fingerprint() -> dict[str, Any]:
 
 
 _ABSENT = "<absent>"
+# check_for_errors also waits on orbax's small metadata writes: at most once a second, so a
+# failed save is reported within about a second and a fast loop is not slowed.
+_POLL_INTERVAL_S = 1.0
 
 
 def differing_fields(stored: Mapping[str, Any], expected: Mapping[str, Any]) -> list[str]:
@@ -289,10 +293,11 @@ class Checkpointer:
       check_writable(workdir)
     self.every = int(checkpoint_config.every)
     self.fingerprint = None if fingerprint is None else dict(fingerprint)
+    self._async = bool(checkpoint_config.async_save) and not read_only
     options = ocp.CheckpointManagerOptions(
         max_to_keep=int(checkpoint_config.keep_last) or None,
         keep_period=int(checkpoint_config.keep_every) or None,
-        enable_async_checkpointing=bool(checkpoint_config.async_save) and not read_only,
+        enable_async_checkpointing=self._async,
         read_only=read_only,
         create=not read_only,
     )
@@ -303,6 +308,7 @@ class Checkpointer:
     self._previous_handlers = {}
     self._unconfirmed_step = None  # dispatched, not yet known to be on disk
     self.durable_step = None  # newest step known to be fully written
+    self._last_poll = -math.inf
     self.set_aside = []  # one line per checkpoint that failed to restore
     self.restored_meta = {}  # the meta item of the last restored checkpoint
 
@@ -350,7 +356,8 @@ class Checkpointer:
       raise self._save_error(step, err) from err
     if saved:
       self._unconfirmed_step = step
-      self.poll()  # a synchronous save is confirmed right away
+      if not self._async:
+        self._confirm()  # a synchronous save is on disk already
     return saved
 
   def _save_error(self, step, err):
@@ -366,7 +373,9 @@ class Checkpointer:
   def poll(self) -> int | None:
     """Non-blocking: if the save in flight has finished, raise CheckpointSaveError when it
     failed (at once, not at the next save one interval later). Returns the durable step."""
-    if self._unconfirmed_step is not None:
+    now = time.monotonic()
+    if self._unconfirmed_step is not None and now - self._last_poll >= _POLL_INTERVAL_S:
+      self._last_poll = now
       try:
         # Raises the background thread's error as soon as it has one; is_saving_in_progress
         # stays true after a failed write until the next save waits on it.

@@ -163,3 +163,31 @@ def test_divergence_exits_3_with_one_line(tmp_path):
   assert result.returncode == 3, result.stderr[-3000:]
   assert "Traceback" not in result.stderr
   assert "training diverged at step" in result.stderr.strip().splitlines()[-1]
+
+
+def test_preemption_saves_and_exits_75(tmp_path):
+  """SIGTERM (a preempted TPU VM, a SLURM requeue): save the current step, exit 75 so the
+  scheduler knows to rerun the same command."""
+  import signal  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / "run"
+  overrides = [o for o in TINY_OVERRIDES if "train.steps" not in o]
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "geonorm_jax", "train", "--config=configs/tiny.py",
+       f"--workdir={workdir}", *overrides, "--config.train.steps=100000",
+       "--config.train.eval_every=100000", "--config.checkpoint.every=100000"],
+      cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 120
+    while not (workdir / "metrics.jsonl").exists() or (workdir / "metrics.jsonl").stat().st_size < 500:
+      assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 75, stderr[-3000:]
+  summary = json.loads(stdout[stdout.index("{"):])
+  assert summary["preempted"] is True
+  assert sorted(int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit()) == [
+      summary["final_step"]]

@@ -320,6 +320,7 @@ def _set_aside_newer(ckpt, step):
   for s in newer:
     os.replace(os.fspath(ckpt.directory / str(s)),
                os.path.join(target_dir, f"{s}.superseded-{stamp}"))
+  ckpt.all_steps()  # reloads orbax's list of steps, or it would skip saving those steps again
   print(f"resuming from step {step}: checkpoints {newer} moved to {target_dir}",
         file=sys.stderr, flush=True)
 

@@ -11,7 +11,7 @@ DISTRIBUTED_MODES = ("auto", "true", "false")
 
 
 class _Checker:
-  """Collects nothing: the first bad field raises, so the user fixes one thing at a time."""
+  """Reads dotted fields of a config; the first bad one raises, naming itself and its value."""
 
   def __init__(self, config):
     self.config = config
@@ -20,33 +20,33 @@ class _Checker:
     section, name = field.split(".")
     return self.config[section][name]
 
-  def _fail(self, field, requirement):
+  def fail(self, field, requirement):
     raise ValueError(f"{field}={self._value(field)!r} {requirement}")
 
   def finite(self, field):
     value = self._value(field)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-      self._fail(field, "must be a number")
+      self.fail(field, "must be a number")
     if not math.isfinite(value):
-      self._fail(field, "must be finite")
+      self.fail(field, "must be finite")
     return value
 
   def positive(self, field):
     if not self.finite(field) > 0:
-      self._fail(field, "must be positive")
+      self.fail(field, "must be positive")
 
   def non_negative(self, field, meaning_of_zero=""):
     if self.finite(field) < 0:
-      self._fail(field, "must be >= 0" + (f" ({meaning_of_zero})" if meaning_of_zero else ""))
+      self.fail(field, "must be >= 0" + (f" ({meaning_of_zero})" if meaning_of_zero else ""))
 
   def within(self, field, low, high, high_open=False):
     value = self.finite(field)
     if value < low or value > high or (high_open and value == high):
-      self._fail(field, f"must lie in [{low}, {high}{')' if high_open else ']'}")
+      self.fail(field, f"must lie in [{low}, {high}{')' if high_open else ']'}")
 
   def choice(self, field, valid):
     if str(self._value(field)).lower() not in valid:
-      self._fail(field, f"is unknown; valid: {', '.join(valid)}")
+      self.fail(field, f"is unknown; valid: {', '.join(valid)}")
 
 
 def check_fields(config):
@@ -74,7 +74,7 @@ def check_fields(config):
   check.choice("train.on_divergence", DIVERGENCE_POLICIES)
   spike = check.finite("train.spike_factor")
   if spike != 0 and spike <= 1:
-    check._fail("train.spike_factor", "must be > 1 (or 0 = off)")  # pylint: disable=protected-access
+    check.fail("train.spike_factor", "must be > 1 (or 0 = off)")
 
   check.non_negative("checkpoint.every", "0 = only the final step")
   check.non_negative("checkpoint.keep_last", "0 = keep all")
@@ -87,7 +87,7 @@ def check_fields(config):
       raise ValueError(f"mesh.{axis}={size} must be positive or -1 (fill from the device count)")
   check.non_negative("mesh.num_processes", "0 = from the environment")
   if config.mesh.process_id < -1:
-    check._fail("mesh.process_id", "must be >= 0 (or -1 = from the environment)")  # pylint: disable=protected-access
+    check.fail("mesh.process_id", "must be >= 0 (or -1 = from the environment)")
 
   # Model fields that spec.resolve accepts but that make the loss NaN (or meaningless) later.
   for field in ("model.geo_alpha", "model.ngpt_alpha_init", "model.rope_theta"):

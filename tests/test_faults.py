@@ -247,6 +247,7 @@ def test_train_step_flag_resumes_from_an_older_checkpoint(reference, tmp_path):
   assert _losses(workdir) == reference["train"]
   moved = sorted(os.listdir(os.path.join(workdir, checkpoint_lib.SET_ASIDE_SUBDIR)))
   assert [name.split(".")[0] for name in moved] == ["20", "30"]
+  assert _steps_on_disk(workdir) == [10, 20, 30]  # saved again by the new continuation
 
 
 # --- 3. failed saves ---------------------------------------------------------------------------

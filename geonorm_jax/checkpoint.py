@@ -294,9 +294,11 @@ class Checkpointer:
     self.every = int(checkpoint_config.every)
     self.fingerprint = None if fingerprint is None else dict(fingerprint)
     self._async = bool(checkpoint_config.async_save) and not read_only
+    # Read-only managers get no rotation settings: orbax would drop them with a warning each.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=int(checkpoint_config.keep_last) or None,
-        keep_period=int(checkpoint_config.keep_every) or None,
+        max_to_keep=None if read_only else int(checkpoint_config.keep_last) or None,
+        keep_period=None if read_only else int(checkpoint_config.keep_every) or None,
+        save_interval_steps=0 if read_only else 1,
         enable_async_checkpointing=self._async,
         read_only=read_only,
         create=not read_only,

@@ -7,6 +7,7 @@ Commands:
   train    Train the model of --config in --workdir, resuming from its latest checkpoint.
            Writes metrics.jsonl, tensorboard events, checkpoints and config.json there.
            Override any config key: --config.model.placement=geonorm --config.train.steps=50
+           --step=S resumes from checkpoint S (later ones are moved aside, not deleted).
   eval     Validation loss of a checkpoint (--step, default the latest). Uses --config when
            given (e.g. to evaluate on other data), else the run's saved config.json.
   sample   Generate text from a checkpoint: --prompt, --num_tokens, --temperature, --top_k,
@@ -24,6 +25,11 @@ Examples:
   python -m geonorm_jax main --workdir=runs/main
 
 Config files live in configs/; each one's docstring gives its exact command.
+
+Exit codes: 0 done (or already finished), 1 a runtime failure (a failed save, a busy
+workdir, an unreadable checkpoint), 2 a bad command line or config, 3 training diverged
+(train.on_divergence=stop), 75 preempted by SIGTERM after saving (rerun to resume),
+130 stopped by Ctrl-C after saving. Errors are one line; --verbosity=0 adds the traceback.
 """
 import json
 import sys
@@ -37,8 +43,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, `configs/FILE.py` or `configs/FILE.py:ARG`; override keys "
     "with --config.SECTION.KEY=VALUE.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, config.")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step for eval/sample/hessian; "
-                             "default the latest.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to resume (train) or to read "
+                             "(eval/sample/hessian); default the newest readable one.")
 _PROMPT = flags.DEFINE_string("prompt", "The ", "sample: text to continue.")
 _NUM_TOKENS = flags.DEFINE_integer("num_tokens", None, "sample: tokens to generate; "
                                    "default config.train.sample_tokens.")
@@ -47,8 +53,38 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "sample: keep only the k likeliest tok
 _SEED = flags.DEFINE_integer("seed", 0, "sample: random seed.")
 
 
+EXIT_RUNTIME_ERROR = 1
+EXIT_USAGE = 2
+EXIT_DIVERGED = 3
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a scheduler should requeue the same command
+EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
+
+
 class CommandError(Exception):
   """A mistake in the command line or config, reported as one line instead of a traceback."""
+
+
+def _root_message(err):
+  """The innermost cause's last line: ml_collections and absl wrap the useful message
+  (e.g. "config key 'foo' is unknown") in a traceback-shaped string."""
+  while (err.__cause__ or err.__context__) is not None:
+    err = err.__cause__ or err.__context__
+  lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+  message = lines[-1] if lines else type(err).__name__
+  if isinstance(err, (AttributeError, KeyError)):
+    message = f"unknown config key {message}"
+  return message
+
+
+def _config_value():
+  """--config, loaded (ml_collections loads the file lazily and hides why it failed)."""
+  try:
+    config = _CONFIG.value
+    if config is not None:
+      config.keys()  # the placeholder of a file that failed to load raises only when read
+    return config
+  except Exception as e:  # pylint: disable=broad-except
+    raise CommandError(f"--config: {_root_message(e)}") from None
 
 
 def _require_workdir():
@@ -58,9 +94,10 @@ def _require_workdir():
 
 
 def _require_config(command):
-  if _CONFIG.value is None:
+  config = _config_value()
+  if config is None:
     raise CommandError(f"`{command}` needs --config=configs/FILE.py[:ARG]")
-  return _CONFIG.value
+  return config
 
 
 def _validate(config):
@@ -81,18 +118,28 @@ def run_train():
   config = _require_config("train")
   workdir = _require_workdir()
   _validate(config)
-  _print_json(train.train(config, workdir))
+  try:
+    summary = train.train(config, workdir, step=_STEP.value)
+  except train.DivergenceError:
+    raise
+  except ValueError as e:  # a checkpoint written with another config
+    raise CommandError(str(e)) from None
+  _print_json(summary)
+  if summary.get("interrupted"):
+    sys.exit(EXIT_INTERRUPTED)
+  if summary.get("preempted"):
+    sys.exit(EXIT_PREEMPTED)
 
 
 def run_eval():
   from geonorm_jax import train  # pylint: disable=g-import-not-at-top
   workdir = _require_workdir()
-  config = _CONFIG.value
+  config = _config_value()
   if config is not None:
     _validate(config)
   try:
     result = train.evaluate(config, workdir, step=_STEP.value)
-  except FileNotFoundError as e:  # not a run folder, or no checkpoint yet
+  except (FileNotFoundError, ValueError) as e:  # not a run folder, no checkpoint, other model
     raise CommandError(str(e)) from None
   _print_json(result)
 
@@ -102,7 +149,7 @@ def run_sample():
   workdir = _require_workdir()
   try:
     config, model = train.load_model(workdir, step=_STEP.value)
-  except FileNotFoundError as e:  # not a run folder, or no checkpoint yet
+  except (FileNotFoundError, ValueError) as e:  # not a run folder, no checkpoint, other model
     raise CommandError(str(e)) from None
   num_tokens = config.train.sample_tokens if _NUM_TOKENS.value is None else _NUM_TOKENS.value
   try:
@@ -133,21 +180,55 @@ _RUNNERS = {"train": run_train, "eval": run_eval, "sample": run_sample,
             "hessian": run_hessian, "main": run_main}
 
 
+def _exit_code(err):
+  from geonorm_jax import train  # pylint: disable=g-import-not-at-top
+  if isinstance(err, CommandError):
+    return EXIT_USAGE
+  if isinstance(err, train.DivergenceError):
+    return EXIT_DIVERGED
+  return EXIT_RUNTIME_ERROR
+
+
 def main(argv):
   commands = argv[1:]
   if len(commands) != 1 or commands[0] not in _RUNNERS:
     raise app.UsageError(f"give exactly one command, one of: {', '.join(COMMANDS)} "
                          f"(got {' '.join(commands) or 'none'})")
-  if not flags.FLAGS["verbosity"].present:
-    # Orbax logs every checkpoint save and restore at INFO, which buries the progress bar;
-    # -v 0 (or --verbosity=0) brings those lines back.
-    logging.set_verbosity(logging.WARNING)
+  verbose = flags.FLAGS["verbosity"].present
+  if not verbose:
+    # Orbax logs every checkpoint save and restore at INFO, and a failed background save
+    # as a page of tracebacks at ERROR; the trainer reports those failures itself, in one
+    # line. -v 0 (or --verbosity=0) brings orbax's lines and Python tracebacks back.
+    logging.set_verbosity(logging.FATAL)
   try:
     _RUNNERS[commands[0]]()
-  except CommandError as e:
-    print(f"geonorm_jax {commands[0]}: error: {e}", file=sys.stderr)
-    sys.exit(2)
+  except KeyboardInterrupt:
+    print(f"geonorm_jax {commands[0]}: interrupted", file=sys.stderr)
+    sys.exit(EXIT_INTERRUPTED)
+  except Exception as e:  # pylint: disable=broad-except
+    if verbose:
+      raise
+    message = str(e) if isinstance(e, CommandError) else f"{type(e).__name__}: {e}"
+    print(f"geonorm_jax {commands[0]}: error: {message}", file=sys.stderr)
+    sys.exit(_exit_code(e))
+
+
+def _parse_flags(argv):
+  """absl's parsing, with a bad flag or config override as one line (exit 2)."""
+  try:
+    return flags.FLAGS(argv)
+  except Exception as e:  # pylint: disable=broad-except
+    if any(arg.startswith(("--verbosity", "-v")) for arg in argv[1:]):
+      raise
+    message = _root_message(e)
+    if message.startswith("unknown config key"):
+      key = message.rsplit(" ", 1)[1].strip("'\"")
+      named = [arg.split("=")[0] for arg in argv if arg.startswith("--config.")
+               and arg.split("=")[0].endswith("." + key)]
+      message = f"{named[0]}: unknown config key" if named else message
+    print(f"geonorm_jax: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
 
 
 def run():
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -81,6 +81,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   train.peak_flops = 1e11  # per device, for MFU on CPU; accelerators use a table
   train.progress_bar = True
   train.sample_tokens = 200
+  # A step whose loss or gradient norm is not finite: stop (exit non-zero, nothing saved after
+  # the last finite checkpoint) | skip (the update is dropped inside the jitted step, counted).
+  train.on_divergence = "stop"
+  train.spike_factor = 3.0  # log a loss spike event when loss > factor x running median; 0 = off
 
   ckpt = config.checkpoint = ml_collections.ConfigDict()
   ckpt.every = 100

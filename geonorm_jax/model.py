@@ -95,16 +95,18 @@ class Attention(nnx.Module):
     k_BxLxGxK = _apply_optional(self.k_head_norm, k.reshape(batch, length, kv_heads, hd))
     v_BxLxGxK = v.reshape(batch, length, kv_heads, hd)
     scale = 1.0 / math.sqrt(hd)
+    if spec.uses_rope:
+      cos, sin = rope_cos_sin(length, hd, spec.rope_theta)
+      q_BxLxHxK = apply_rope(q_BxLxHxK, cos, sin)
+      k_BxLxGxK = apply_rope(k_BxLxGxK, cos, sin)
     if self.s_q is not None:
+      # nGPT (NVIDIA/ngpt model.py): RoPE first, then unit vectors per head times s_qk; the
+      # per-dimension s_qk does not commute with the rotation, so the order matters.
       s_q_HxK = self.s_q().reshape(heads, hd).astype(q.dtype)
       s_k_GxK = self.s_k().reshape(kv_heads, hd).astype(k.dtype)
       q_BxLxHxK = norms.l2_normalize(q_BxLxHxK) * s_q_HxK
       k_BxLxGxK = norms.l2_normalize(k_BxLxGxK) * s_k_GxK
       scale = math.sqrt(hd)  # unit vectors: undo the 1/sqrt(d) that random vectors need
-    if spec.uses_rope:
-      cos, sin = rope_cos_sin(length, hd, spec.rope_theta)
-      q_BxLxHxK = apply_rope(q_BxLxHxK, cos, sin)
-      k_BxLxGxK = apply_rope(k_BxLxGxK, cos, sin)
     out_BxLxHxK = causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, scale)
     out = self.o(out_BxLxHxK.reshape(batch, length, heads * hd), perturb)
     return _apply_optional(self.o_out_norm, out)

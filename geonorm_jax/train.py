@@ -2,12 +2,21 @@
 
 The state is a plain dict {step, params, opt_state} of arrays (params as an nnx.State), laid
 out over the mesh by sharding.py and updated by one `jax.jit` with donated buffers. The loop
-never blocks on the device: step t-1's metrics are read after step t is dispatched.
+never blocks on the device: step t-1's metrics are read after step t is dispatched, except at
+eval and checkpoint steps, where the step's own numbers are read first so that a non-finite
+state is never saved.
+
+Divergence (a non-finite loss or gradient norm) follows `train.on_divergence`: `stop` raises
+DivergenceError naming the step with its per-layer gradient norms; `skip` drops the update
+inside the jitted step (parameters and optimizer state unchanged, step counter and data
+advance) and counts it.
 """
+import collections
 import dataclasses
 import json
 import math
 import os
+import sys
 import time
 
 import jax
@@ -25,6 +34,7 @@ from geonorm_jax import losses, metrics, optim, placements
 from geonorm_jax import model as model_lib
 from geonorm_jax import sharding as sharding_lib
 from geonorm_jax import spec as spec_lib
+from geonorm_jax import validate as validate_lib
 
 
 @dataclasses.dataclass
@@ -42,8 +52,18 @@ class Setup:
   schedule: object
 
 
+class DivergenceError(RuntimeError):
+  """train.on_divergence=stop met a non-finite loss or gradient; nothing after the last
+  finite checkpoint was saved."""
+
+  def __init__(self, message, step):
+    super().__init__(message)
+    self.step = step
+
+
 def validate(config, num_devices=None):
-  """Every config error, before any compilation: model, optimizer, mesh and data."""
+  """Every config error, before any compilation: fields, model, optimizer, mesh and data."""
+  validate_lib.check_fields(config)
   spec = spec_lib.resolve(config.model)
   optim.learning_rate_schedule(config.train)
   optim.parse_multipliers(config.train.lr_multipliers)
@@ -51,12 +71,17 @@ def validate(config, num_devices=None):
   mesh_sizes = dict(zip(sharding_lib.MESH_AXES,
                         sharding_lib.mesh_shape(config.mesh, num_devices or jax.device_count())))
   dp = sharding_lib.data_parallel_size(mesh_sizes, rules)
-  train = config.train
-  for field in ("steps", "grad_accum", "eval_every", "eval_batches", "log_every"):
-    if getattr(train, field) <= 0:
-      raise ValueError(f"train.{field}={getattr(train, field)} must be positive")
   # Batch splits and seq_len against the model's positions are checked with the data.
-  data_lib.validate_data_config(config, process_count=jax.process_count(), data_parallel_size=dp)
+  try:
+    data_lib.validate_data_config(config, process_count=jax.process_count(),
+                                  data_parallel_size=dp)
+  except (ValueError, FileNotFoundError):
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    # An unreadable or malformed file fails deep inside a reader (grain, array_record,
+    # numpy) with a message that names neither the field nor the file.
+    raise ValueError(f"data.path={config.data.path!r} (data.source={config.data.source}) "
+                     f"cannot be read: {type(e).__name__}: {e}") from e
   return spec
 
 
@@ -112,6 +137,7 @@ def make_train_step(setup):
   graphdef, optimizer, schedule = setup.graphdef, setup.optimizer, setup.schedule
   after_update = placements.get_placement(setup.spec.placement).after_update
   with_layer_stats = setup.config.train.layer_stats_every > 0
+  skip_nonfinite = setup.config.train.on_divergence == "skip"
 
   def train_step(state, tokens_AxBxL1):
     params = state["params"]
@@ -120,10 +146,23 @@ def make_train_step(setup):
     new_params = optax.apply_updates(params, updates)
     if after_update is not None:  # e.g. nGPT's projection of every matrix onto the sphere
       new_params = after_update(new_params)
-    step_metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-                    "lr": schedule(state["step"])}
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if skip_nonfinite:
+      # An elementwise select that XLA fuses into the update: no host round trip, and the
+      # same decision on every device since loss and grad_norm are replicated.
+      keep = lambda new, old: jnp.where(finite, new, old)
+      new_params = jax.tree.map(keep, new_params, params)
+      opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
+    step_metrics = {"loss": loss, "grad_norm": grad_norm,
+                    "lr": schedule(state["step"]),
+                    "nonfinite": 1.0 - finite.astype(jnp.float32)}
+    layer_grad_norms = metrics.per_layer_norms(grads)
+    # Kept on the device and read only when a step diverges: which layer blew up.
+    for layer, value in layer_grad_norms.items():
+      step_metrics[f"{_DIAGNOSTIC_PREFIX}grad_norm/{layer}"] = value
     if with_layer_stats:
-      for layer, value in metrics.per_layer_norms(grads).items():
+      for layer, value in layer_grad_norms.items():
         step_metrics[f"grad_norm/{layer}"] = value
       for layer, value in metrics.update_ratio(updates, params).items():
         step_metrics[f"update_ratio/{layer}"] = value
@@ -195,13 +234,22 @@ def eval_batches(setup):
 
 
 def flops_per_token(setup, seq_len):
-  """6N + 12 L d T with N the non-embedding parameters (the setup's abstract params)."""
+  """6N + 12 L d T, N the parameters that multiply (the setup's abstract params) as nanoGPT
+  counts them: the lookups (learned positions, and the token embedding when the head is a
+  separate matrix) do no matmul; a tied embedding is the head's matmul and counts."""
   spec = setup.spec
-  embedding = spec.vocab_size * spec.d_model + (spec.max_seq_len * spec.d_model
-                                                if spec.backbone == "gpt2" else 0)
+  lookups = spec.max_seq_len * spec.d_model if spec.backbone == "gpt2" else 0
+  if not spec.tie_embeddings:
+    lookups += spec.vocab_size * spec.d_model
   num_params = model_lib.count_params(setup.abstract_state["params"])
-  return metrics.model_flops_per_token(num_params - embedding,
+  return metrics.model_flops_per_token(num_params - lookups,
                                        spec.num_layers, spec.d_model, seq_len)
+
+
+@jax.jit
+def _all_finite(tree):
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)
+                            if jnp.issubdtype(leaf.dtype, jnp.inexact)]))
 
 
 def _evaluate(eval_step, params, eval_arrays):
@@ -213,46 +261,142 @@ def _resolved_config_text(config):
 
 
 _PREEMPTION_POLL_STEPS = 10  # multi-process: a device all-gather, so not every step
+_DIAGNOSTIC_PREFIX = "diag/"
+_SPIKE_WINDOW = 100  # steps in the running median a loss spike is measured against
+_SPIKE_MIN_HISTORY = 10
+SUMMARY_FILENAME = "summary.json"
+
+
+class SpikeDetector:
+  """Flags a finite loss above `factor` x the median of the previous `window` finite losses
+  (judged only once `min_history` are known); factor 0 turns it off."""
+
+  def __init__(self, factor, window=_SPIKE_WINDOW, min_history=_SPIKE_MIN_HISTORY):
+    self.factor, self.min_history = factor, min_history
+    self.recent = collections.deque(maxlen=window)
+
+  def observe(self, loss):
+    """The running median if `loss` is a spike, else None; `loss` joins the history."""
+    median = None
+    if self.factor and len(self.recent) >= self.min_history:
+      median = float(np.median(self.recent))
+      if not loss > self.factor * median:
+        median = None
+    self.recent.append(loss)
+    return median
 
 
 class _Run:
-  """The loop's bookkeeping: throughput window, pending metrics, last values."""
+  """The loop's bookkeeping: throughput window, last values, divergence and spike tracking."""
 
-  def __init__(self, start_step):
+  def __init__(self, start_step, skipped_steps, spike_factor):
     self.window_start = time.perf_counter()
     self.window_steps = 0
     self.tokens_per_s = float("nan")
     self.last_train_loss = float("nan")
     self.last_eval_loss = float("nan")
     self.start_step = start_step
+    self.skipped_steps = skipped_steps  # over the whole run, restored from the checkpoint
+    self.spikes = 0
+    self.spike_detector = SpikeDetector(spike_factor)
 
 
-def train(config, workdir):
-  """Train (resuming from workdir's latest checkpoint) and return a summary dict."""
+def _divergence_message(step, values, diagnostics, durable_step, workdir):
+  per_layer = ", ".join(f"{name.rsplit('/', 1)[1]}={value:.3g}"
+                        for name, value in sorted(diagnostics.items()))
+  kept = (f"checkpoint step {durable_step} (finite) is the newest and was kept"
+          if durable_step is not None else "no checkpoint was saved")
+  return (f"training diverged at step {step}: loss={values['loss']}, "
+          f"grad_norm={values['grad_norm']}, lr={values['lr']:.3g}; per-layer gradient norms: "
+          f"{per_layer}. Nothing after it was saved; {kept} in {workdir}. Lower train.lr "
+          "(or raise warmup), or set train.on_divergence=skip to drop such steps.")
+
+
+def _read_summary(workdir):
+  path = os.path.join(workdir, SUMMARY_FILENAME)
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _write_summary(workdir, summary):
+  if jax.process_index() == 0:
+    checkpoint_lib.write_text_atomic(os.path.join(workdir, SUMMARY_FILENAME),
+                                     json.dumps(summary, indent=2))
+
+
+def _set_aside_newer(ckpt, step):
+  """Resuming from an explicit older `step`: later checkpoints belong to the abandoned
+  continuation; they are moved to checkpoints_set_aside/ (not deleted) so this run can
+  save those steps again."""
+  newer = [s for s in ckpt.all_steps() if s > step]
+  if not newer or jax.process_index() != 0:
+    return
+  target_dir = os.path.join(os.fspath(ckpt.workdir), checkpoint_lib.SET_ASIDE_SUBDIR)
+  os.makedirs(target_dir, exist_ok=True)
+  stamp = time.strftime("%Y%m%d-%H%M%S")
+  for s in newer:
+    os.replace(os.fspath(ckpt.directory / str(s)),
+               os.path.join(target_dir, f"{s}.superseded-{stamp}"))
+  ckpt.all_steps()  # reloads orbax's list of steps, or it would skip saving those steps again
+  print(f"resuming from step {step}: checkpoints {newer} moved to {target_dir}",
+        file=sys.stderr, flush=True)
+
+
+def train(config, workdir, step=None):
+  """Train (resuming from workdir's newest readable checkpoint, or `step`) and return a
+  summary dict.
+
+  Raises DivergenceError (on_divergence=stop), CheckpointSaveError (a failed save, reported
+  at the next step), WorkdirBusyError (another trainer holds the workdir) or
+  IncompatibleCheckpointError, each before anything on disk is lost. A run already at
+  train.steps returns its stored summary and writes nothing.
+  """
   sharding_lib.maybe_initialize_distributed(config.mesh)
-  checkpoint_lib.check_writable(workdir)
   setup = make_setup(config)
-  fingerprint = checkpoint_lib.config_fingerprint(config)
+  checkpoint_lib.check_writable(workdir)
+  lock = checkpoint_lib.WorkdirLock(workdir).acquire()
+  try:
+    return _train_locked(config, workdir, setup, step)
+  finally:
+    lock.release()
+
+
+def _train_locked(config, workdir, setup, restore_step):
+  fingerprint = checkpoint_lib.config_fingerprint(config, with_data_content=True)
   ckpt = checkpoint_lib.Checkpointer(workdir, config.checkpoint, fingerprint)
-  latest = ckpt.latest_step()
-  if latest is not None:
-    try:
-      ckpt.check_compatible(latest, fingerprint)  # before anything is written to workdir
-    except BaseException:
+  try:
+    state, data_state = None, None
+    if restore_step is not None or ckpt.all_steps():
+      # Before anything is written to workdir: a config mismatch leaves it untouched.
+      state, data_state = ckpt.restore(restore_step, sharded_abstract_state(setup))
+      if restore_step is not None:
+        _set_aside_newer(ckpt, restore_step)
+    latest = None if state is None else int(state["step"])
+    if latest is not None and latest >= config.train.steps:
+      print(f"run in {workdir} already finished at step {latest} (train.steps="
+            f"{config.train.steps}); nothing to do, its files are left as they are. Raise "
+            "--config.train.steps to train further.", file=sys.stderr, flush=True)
       ckpt.close()
-      raise
+      return {**_read_summary(workdir), "final_step": latest, "already_finished": True}
+  except BaseException:
+    ckpt.close()
+    raise
   checkpoint_lib.save_config_json(workdir, config)
   writer = metrics.MetricsWriter(workdir)
+  # Metrics never run ahead of the last durable step: whatever a crashed run logged after
+  # its newest readable checkpoint (or at all, without one) is redone, so it goes.
+  writer.truncate_after(latest or 0)
   writer.write_text("config", _resolved_config_text(config))
 
   dp = sharding_lib.data_parallel_size(setup.mesh.shape, setup.rules)
   train_iter = data_lib.make_train_iterator(config, data_parallel_size=dp)
-  if latest is None:
+  if state is None:
     state = init_state(setup)
   else:
-    state, data_state = ckpt.restore(latest, sharded_abstract_state(setup))
     train_iter.set_state(data_state)
-    writer.truncate_after(latest)
+    ckpt.durable_step = latest
   start = int(state["step"])
 
   train_step = make_train_step(setup)
@@ -268,13 +412,30 @@ def train(config, workdir):
   bar = metrics.ProgressBar(config.train.steps, start_step=start,
                             enabled=config.train.progress_bar and jax.process_index() == 0)
   ckpt.install_sigterm_handler()
-  run = _Run(start)
+  run = _Run(start, int(ckpt.restored_meta.get("skipped_steps", 0)), config.train.spike_factor)
   monitor = collapse.CollapseMonitor()
   pending = None
   started = time.perf_counter()
 
   def log_train(step, step_metrics):
-    values = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+    scalars = {k: v for k, v in step_metrics.items() if not k.startswith(_DIAGNOSTIC_PREFIX)}
+    values = {k: float(v) for k, v in jax.device_get(scalars).items()}
+    if values.pop("nonfinite"):
+      if config.train.on_divergence == "stop":
+        diagnostics = jax.device_get({k: v for k, v in step_metrics.items()
+                                      if k.startswith(_DIAGNOSTIC_PREFIX)})
+        writer.write_scalars(step, {"diverged": 1.0, **values}, split="events")
+        raise DivergenceError(_divergence_message(step, values, diagnostics,
+                                                  ckpt.durable_step, workdir), step)
+      run.skipped_steps += 1
+      writer.write_scalars(step, {"skipped": 1.0, "skipped_total": run.skipped_steps,
+                                  **values}, split="events")
+    else:
+      median = run.spike_detector.observe(values["loss"])
+      if median is not None:
+        run.spikes += 1
+        writer.write_scalars(step, {"loss_spike": values["loss"], "running_median": median,
+                                    "ratio": values["loss"] / median}, split="events")
     run.last_train_loss = values["loss"]
     bar.update(step, values["loss"])
     if step % config.train.log_every == 0 or step == config.train.steps:
@@ -302,33 +463,43 @@ def train(config, workdir):
         log_train(*pending)  # step t-1's numbers, read while step t runs
       pending = (step, step_metrics)
       run.window_steps += 1
-      if step % config.train.eval_every == 0 or step == config.train.steps:
-        log_train(*pending)
+      ckpt.poll()  # a background save that failed stops the run now, not an interval later
+      # Every process must join the all-gather at the same steps, or the others hang.
+      poll = jax.process_count() == 1 or step % _PREEMPTION_POLL_STEPS == 0
+      stop = poll and ckpt.any_process_preempted()
+      is_eval = step % config.train.eval_every == 0 or step == config.train.steps
+      save = stop or ckpt.should_save(step) or step == config.train.steps
+      if is_eval or save:
+        log_train(*pending)  # this step's numbers first: a diverged step is never saved
         pending = None
+      if is_eval:
         run.last_eval_loss = _evaluate(eval_step, state["params"], eval_arrays)
         writer.write_scalars(step, {"loss": run.last_eval_loss}, split="eval")
         run.window_start = time.perf_counter()  # keep eval time out of tokens/s
-      ckpt.save(step, state, train_iter.get_state(), force=step == config.train.steps)
-      # Every process must join the all-gather at the same steps, or the others hang.
-      poll = jax.process_count() == 1 or step % _PREEMPTION_POLL_STEPS == 0
-      if poll and ckpt.any_process_preempted():
-        ckpt.save(step, state, train_iter.get_state(), force=True)
+      if save:
+        if not bool(_all_finite(state["params"])):
+          raise DivergenceError(
+              f"the parameters after step {step} are not finite although its loss and "
+              f"gradient were; nothing was saved (newest checkpoint: {ckpt.durable_step})",
+              step)
+        ckpt.save(step, state, train_iter.get_state(), force=True,
+                  extra_meta={"skipped_steps": run.skipped_steps})
+      if stop:
         break
     if pending is not None:
       log_train(*pending)
+    ckpt.wait()  # the final save is on disk before the summary says so
   finally:
     bar.close()
-    ckpt.wait()
     ckpt.close()
     writer.close()
   final_step = int(state["step"])
   summary = {"final_step": final_step, "final_train_loss": run.last_train_loss,
              "final_eval_loss": run.last_eval_loss, "tokens_per_s": run.tokens_per_s,
              "wall_s": time.perf_counter() - started, "preempted": bool(ckpt.preempted),
-             "collapse_step": monitor.first_step}
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
+             "interrupted": bool(ckpt.interrupted), "skipped_steps": run.skipped_steps,
+             "loss_spikes": run.spikes, "collapse_step": monitor.first_step}
+  _write_summary(workdir, summary)
   return summary
 
 
@@ -341,13 +512,20 @@ def _config_from_workdir(workdir):
 
 
 def restore_params(workdir, step=None, config=None):
-  """(config, setup, params) of a checkpoint; the config comes from workdir/config.json."""
+  """(config, setup, {step, params}) of a checkpoint; the config comes from
+  workdir/config.json unless given.
+
+  Reads only: the workdir may be read-only, nothing is created in it, and neither the
+  optimizer nor the data-iterator state is read. Only the model must match the checkpoint
+  (eval may read other data); a newest checkpoint that cannot be read is reported and the
+  previous one used.
+  """
   config = _config_from_workdir(workdir) if config is None else config
   setup = make_setup(config)
-  ckpt = checkpoint_lib.Checkpointer(workdir, config.checkpoint,
-                                     checkpoint_lib.config_fingerprint(config))
+  ckpt = checkpoint_lib.Checkpointer(workdir, config.checkpoint, read_only=True)
   try:
-    state, _ = ckpt.restore(step, sharded_abstract_state(setup))
+    state, _ = ckpt.restore(step, sharded_abstract_state(setup),
+                            checkpoint_lib.model_fingerprint(config), params_only=True)
   finally:
     ckpt.close()
   return config, setup, state

@@ -121,3 +121,73 @@ def test_paper_warmup_follows_steps_set_on_the_command_line():
   config = _load_config_file("geonorm_paper").get_config("125m")
   config.train.steps = 5000  # what --config.train.steps=5000 does after get_config
   assert config.train.warmup_steps == 50
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--config=configs/tiny.py", "--config.model.nonexistent=1"],
+     "--config.model.nonexistent: unknown config key"),
+    (["--config=configs/does_not_exist.py"], "does_not_exist.py"),
+    (["--config=configs/tiny.py:foo=1"], "config key 'foo' is unknown"),
+    (["--config=configs/tiny.py", "--config.train.lr=-1"], "train.lr=-1.0 must be positive"),
+    (["--config=configs/tiny.py", "--config.mesh.distributed=maybe"], "mesh.distributed='maybe'"),
+])
+def test_bad_config_is_one_line_without_a_traceback(tmp_path, args, expected):
+  result = _run_cli("train", f"--workdir={tmp_path / 'run'}", *args)
+  assert result.returncode == 2, result.stderr
+  assert expected in result.stderr
+  assert "Traceback" not in result.stderr
+  assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+  assert not (tmp_path / "run").exists()
+
+
+def test_workdir_that_cannot_be_created_is_one_line(tmp_path):
+  (tmp_path / "a_file").write_text("")
+  result = _run_cli("train", "--config=configs/tiny.py", f"--workdir={tmp_path}/a_file/run",
+                    *TINY_OVERRIDES)
+  assert result.returncode == 1
+  assert "a_file/run" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_eval_on_a_mistyped_workdir_is_one_line_and_creates_nothing(tmp_path):
+  typo = tmp_path / "typo"
+  result = _run_cli("eval", "--config=configs/tiny.py", f"--workdir={typo}", *TINY_OVERRIDES)
+  assert result.returncode == 2, result.stderr
+  assert "Traceback" not in result.stderr and str(typo) in result.stderr
+  assert not typo.exists()
+
+
+def test_divergence_exits_3_with_one_line(tmp_path):
+  result = _run_cli("train", "--config=configs/tiny.py", f"--workdir={tmp_path / 'run'}",
+                    *TINY_OVERRIDES, "--config.train.lr=1e3", "--config.train.steps=12",
+                    "--config.train.warmup_steps=1")
+  assert result.returncode == 3, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr
+  assert "training diverged at step" in result.stderr.strip().splitlines()[-1]
+
+
+def test_preemption_saves_and_exits_75(tmp_path):
+  """SIGTERM (a preempted TPU VM, a SLURM requeue): save the current step, exit 75 so the
+  scheduler knows to rerun the same command."""
+  import signal  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / "run"
+  overrides = [o for o in TINY_OVERRIDES if "train.steps" not in o]
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "geonorm_jax", "train", "--config=configs/tiny.py",
+       f"--workdir={workdir}", *overrides, "--config.train.steps=100000",
+       "--config.train.eval_every=100000", "--config.checkpoint.every=100000"],
+      cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 120
+    while not (workdir / "metrics.jsonl").exists() or (workdir / "metrics.jsonl").stat().st_size < 500:
+      assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 75, stderr[-3000:]
+  summary = json.loads(stdout[stdout.index("{"):])
+  assert summary["preempted"] is True
+  assert sorted(int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit()) == [
+      summary["final_step"]]

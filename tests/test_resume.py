@@ -210,3 +210,23 @@ def test_incompatible_config_raises_and_leaves_workdir_untouched(reference):
     train_lib.train(config, workdir)
   assert "Nothing was deleted" in str(info.value)
   assert _snapshot(workdir) == before
+
+
+def test_ctrl_c_saves_like_a_preemption_and_rerun_matches(reference, tmp_path):
+  """SIGINT used to lose every step since the last checkpoint, with a traceback."""
+  workdir = tmp_path / "interrupted"
+  run = _Run(workdir, reference["cache_dir"], step_delay=STEP_DELAY_S)
+  try:
+    run.wait_for_step(12)
+    run.proc.send_signal(signal.SIGINT)
+    run.wait(expect_rc=0)
+  finally:
+    run.kill()
+  assert "Traceback" not in run.stderr(), run.describe()
+  summary = _summary(workdir)
+  assert summary["interrupted"] is True and summary["preempted"] is True, summary
+  stopped = summary["final_step"]
+  assert 12 <= stopped < STEPS and _checkpoint_steps(workdir)[-1] == stopped
+
+  rerun = _Run(workdir, reference["cache_dir"]).wait()
+  _check_resumed(rerun, stopped, reference)

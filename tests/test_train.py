@@ -147,3 +147,13 @@ def test_eval_step_averages_every_micro_batch():
   assert split.shape[0] == 4
   np.testing.assert_allclose(float(train.make_eval_step(accum_setup)(state["params"], split)),
                              full, rtol=1e-6)
+
+
+@pytest.mark.parametrize("tie", ["true", "false"])
+def test_flops_per_token_counts_the_head_matmul_once(tie):
+  config = config_lib.get_config(f"gpt2_124m,tie_embeddings={tie}")
+  setup = train.make_setup(config, jax.devices()[:1])
+  # GPT-2 124M: 85,056,000 block parameters + LayerNorms (38,400) + the 38.6M head matmul.
+  blocks_and_norms = 124_439_808 - 50257 * 768 - 1024 * 768
+  expected = 6 * (blocks_and_norms + 50257 * 768) + 12 * 12 * 768 * 1024
+  assert train.flops_per_token(setup, 1024) == expected

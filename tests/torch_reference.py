@@ -50,9 +50,6 @@ class Hyper:
   geo_radius: str = "sqrt_d"  # sqrt_d | embedding
   mixln_fraction: float = 0.25
   ngpt_alpha_init: float = 0.05
-  # Reference-only: where nGPT applies RoPE. before_norm: NVIDIA/ngpt's order (rotate q, k, then
-  # unit-normalise per head and scale by s_qk); after_scale: rotate the scaled unit vectors.
-  ngpt_rope: str = "before_norm"
 
   @property
   def gpt2(self):
@@ -179,18 +176,16 @@ class Attention(nn.Module):
     v_BxLxGxK = project(self.v, self.v_out_norm).reshape(batch, length, kv_heads, hd)
     if self.q_head_norm is not None:
       q_BxLxHxK, k_BxLxGxK = self.q_head_norm(q_BxLxHxK), self.k_head_norm(k_BxLxGxK)
-    rope = lambda x: x if hp.gpt2 else rotate_half_rope(x, hp.rope_theta)
-    rope_last = self.s_q is not None and hp.ngpt_rope == "after_scale"
-    if not rope_last:
-      q_BxLxHxK, k_BxLxGxK = rope(q_BxLxHxK), rope(k_BxLxGxK)
+    if not hp.gpt2:
+      q_BxLxHxK = rotate_half_rope(q_BxLxHxK, hp.rope_theta)
+      k_BxLxGxK = rotate_half_rope(k_BxLxGxK, hp.rope_theta)
     scale = hd ** -0.5
     if self.s_q is not None:
-      # nGPT: q, k on the unit sphere per head, scaled by s_qk; the softmax scale is sqrt(d_head).
+      # nGPT (NVIDIA/ngpt model.py): the rotated q, k go on the unit sphere per head and are
+      # scaled by s_qk; the softmax scale becomes sqrt(d_head).
       q_BxLxHxK = unit(q_BxLxHxK) * self.s_q().reshape(heads, hd)
       k_BxLxGxK = unit(k_BxLxGxK) * self.s_k().reshape(kv_heads, hd)
       scale = hd ** 0.5
-    if rope_last:
-      q_BxLxHxK, k_BxLxGxK = rope(q_BxLxHxK), rope(k_BxLxGxK)
     # Grouped-query attention: query head h reads KV head h // (H / G).
     k_BxLxHxK = k_BxLxGxK.repeat_interleave(heads // kv_heads, dim=2)
     v_BxLxHxK = v_BxLxGxK.repeat_interleave(heads // kv_heads, dim=2)
@@ -333,7 +328,7 @@ class ReferenceTransformer(nn.Module):
     self.hp = hp
     d, p = hp.d_model, hp.placement
     self.embed = nn.Parameter(torch.zeros(hp.vocab_size, d))
-    self.positions = (nn.Parameter(torch.zeros(hp.max_seq_len, d)) if hp.gpt2 else None)
+    self.positions = nn.Parameter(torch.zeros(hp.max_seq_len, d)) if hp.gpt2 else None
     # DyT's language-model recipe: a learnable scalar on the embedding output, init sqrt(d).
     self.embed_scale = nn.Parameter(torch.tensor(d ** 0.5)) if p == "dyt" else None
     final_kind = "dyt" if p == "dyt" else hp.kind

@@ -23,8 +23,10 @@ two .bin formats stay on disk as memmaps (see `TokenFileStream`).
 import dataclasses
 import functools
 import glob
+import hashlib
 import operator
 import os
+import tempfile
 from typing import Iterator, Sequence
 from unittest import mock
 
@@ -51,6 +53,28 @@ _RANGE_CHECK_CHUNK = 1 << 24
 # ----------------------------------------------------------------------------- tokenizers
 
 
+# tiktoken builds its GPT-2 encoding from these two files of OpenAI's and caches each under
+# the sha1 of its URL; this project reads that cache and never downloads.
+_GPT2_FILE_URLS = {
+    "vocab.bpe": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+    "encoder.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+}
+GPT2_END_OF_TEXT = 50256  # <|endoftext|>
+GPT2_VOCAB_SIZE = 50257
+_GPT2_NEEDS = ("The GPT-2 tokenizer (data.tokenizer='gpt2', or prepare --tokenizer=gpt2) needs "
+               "the tiktoken package and its two GPT-2 files, vocab.bpe and encoder.json, "
+               "in tiktoken's cache; nothing is downloaded")
+
+
+def gpt2_tokenizer_files() -> dict[str, str]:
+  """Where tiktoken looks for each GPT-2 file: {name: path in its cache folder}."""
+  cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR",
+                             os.environ.get("DATA_GYM_CACHE_DIR",
+                                            os.path.join(tempfile.gettempdir(), "data-gym-cache")))
+  return {name: os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest())
+          for name, url in _GPT2_FILE_URLS.items()}
+
+
 @functools.lru_cache(maxsize=1)
 def _gpt2_encoding():
   """tiktoken's GPT-2 encoding, loaded from its local cache only."""
@@ -58,24 +82,29 @@ def _gpt2_encoding():
     import tiktoken  # pylint: disable=g-import-not-at-top
     import tiktoken.load  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise ValueError("data.tokenizer='gpt2' needs the tiktoken package") from e
+    raise ValueError(f"{_GPT2_NEEDS}. tiktoken is not installed (pip install tiktoken); "
+                     "or use the byte tokenizer.") from e
+  missing = [f"{name} (expected at {path})"
+             for name, path in gpt2_tokenizer_files().items() if not os.path.isfile(path)]
+  if missing:
+    raise ValueError(
+        f"{_GPT2_NEEDS}. Missing: {'; '.join(missing)}. Copy the files from "
+        f"{os.path.dirname(_GPT2_FILE_URLS['vocab.bpe'])}/ to those paths (TIKTOKEN_CACHE_DIR "
+        "chooses the folder), or use the byte tokenizer.")
   original_read_file = tiktoken.load.read_file
 
   def read_local_file_only(blobpath):
-    # tiktoken falls back to downloading when its cache misses; this project never
-    # downloads, so a miss becomes an error instead.
+    # tiktoken falls back to downloading when its cache misses (or holds a file whose hash
+    # is wrong); this project never downloads, so that becomes an error instead.
     if "://" in blobpath:
-      raise OSError(f"{blobpath} is not in tiktoken's local cache")
+      raise OSError(f"{blobpath} is not in tiktoken's local cache, or its hash is wrong")
     return original_read_file(blobpath)
 
   try:
     with mock.patch.object(tiktoken.load, "read_file", read_local_file_only):
       return tiktoken.get_encoding("gpt2")
   except Exception as e:  # tiktoken raises several types for a cache miss
-    raise ValueError(
-        "data.tokenizer='gpt2' needs tiktoken's GPT-2 encoding, which is not available "
-        f"offline ({e}). Use data.tokenizer='byte', or place the cached encoding files in "
-        "TIKTOKEN_CACHE_DIR.") from e
+    raise ValueError(f"{_GPT2_NEEDS}. Loading them failed: {e}") from e
 
 
 def encode_text(text: str, tokenizer: str) -> np.ndarray:

@@ -2,6 +2,8 @@
 import hashlib
 import os
 import pickle
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -183,6 +185,37 @@ def test_gpt2_tokenizer_loads_offline_or_names_the_field(tmp_path):
   tokens = full_stream(config)
   np.testing.assert_array_equal(tokens, encoding.encode_ordinary(path.read_text()))
   assert data_sources.decode(tokens, config.data) == path.read_text()
+
+
+def test_gpt2_error_names_each_missing_tokenizer_file(tmp_path, monkeypatch):
+  fake_tiktoken = types.ModuleType("tiktoken")  # installed, but its cache is empty
+  fake_tiktoken.load = types.ModuleType("tiktoken.load")
+  monkeypatch.setitem(sys.modules, "tiktoken", fake_tiktoken)
+  monkeypatch.setitem(sys.modules, "tiktoken.load", fake_tiktoken.load)
+  monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+  data_sources._gpt2_encoding.cache_clear()
+  # The names tiktoken gives its cached copies of the two GPT-2 files.
+  vocab_path = tmp_path / "6d1cbeee0f20b3d9449abfede4726ed8212e3aee"
+  encoder_path = tmp_path / "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6"
+  assert data_sources.gpt2_tokenizer_files() == {"vocab.bpe": str(vocab_path),
+                                                 "encoder.json": str(encoder_path)}
+  with pytest.raises(ValueError, match=f"vocab.bpe \\(expected at {vocab_path}\\).*"
+                     f"encoder.json \\(expected at {encoder_path}\\)"):
+    data_sources._gpt2_encoding()
+  vocab_path.write_text("#version: 0.2\n")
+  data_sources._gpt2_encoding.cache_clear()
+  with pytest.raises(ValueError, match="Missing: encoder.json") as error:
+    data_sources._gpt2_encoding()
+  assert "vocab.bpe (expected" not in str(error.value)
+  data_sources._gpt2_encoding.cache_clear()
+
+
+def test_gpt2_error_names_the_missing_package(monkeypatch):
+  monkeypatch.setitem(sys.modules, "tiktoken", None)  # import fails as if not installed
+  data_sources._gpt2_encoding.cache_clear()
+  with pytest.raises(ValueError, match="data.tokenizer='gpt2'.*pip install tiktoken"):
+    data_sources._gpt2_encoding()
+  data_sources._gpt2_encoding.cache_clear()
 
 
 def test_gpt2_text_path_uses_the_encoding(tmp_path, monkeypatch):

@@ -181,12 +181,13 @@ def test_validation_taking_every_token_is_refused_and_cleaned_up(tmp_path):
 
 @pytest.mark.parametrize("inputs,error,expected", [
     ([], ValueError, "--input is required"),
-    (["/nonexistent_dir_for_test/*.txt"], FileNotFoundError, "matches no file"),
-    (["missing.txt"], FileNotFoundError, "'missing.txt' does not exist"),
+    (["empty_dir/*.txt"], FileNotFoundError, r"--input='.*empty_dir/\*.txt' matches no file"),
+    (["missing.txt"], FileNotFoundError, r"--input: '.*missing.txt' does not exist"),
 ])
 def test_bad_inputs_are_named(tmp_path, inputs, error, expected):
   with pytest.raises(error, match=expected):
-    prepare.prepare(inputs, str(tmp_path / "out"), progress_stream=io.StringIO())
+    prepare.prepare([str(tmp_path / name) for name in inputs], str(tmp_path / "out"),
+                    progress_stream=io.StringIO())
   assert not (tmp_path / "out").exists()
 
 

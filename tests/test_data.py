@@ -316,6 +316,7 @@ def test_resume_from_state_is_exact(tmp_path, sampling):
   assert not np.array_equal(reference[3], reference[4])
 
 
+@pytest.mark.slow  # a grain worker process
 def test_resume_with_worker_processes(tmp_path):
   config = unique_config(tmp_path, num_workers=1)
   reference = take(data.make_train_iterator(unique_config(tmp_path), 0, 1), 5)

@@ -65,7 +65,7 @@ def test_placement_is_causal_and_trains(backbone, placement, dtype):
   assert not np.allclose(logits[:, 8:], logits_changed[:, 8:])
 
 
-@pytest.mark.parametrize("backbone", BACKBONES)
+@pytest.mark.parametrize("backbone", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_geonorm_keeps_radius_through_24_layers(backbone):
   # init_std=0.3 makes the sublayer outputs large enough that each step turns the stream.
   config = small(f"backbone={backbone},placement=geonorm,num_layers=24,geo_schedule=constant,"

@@ -29,7 +29,8 @@ def single_device_run():
   return _losses(config_lib.get_config(SMALL), jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh", [pytest.param("data=8", marks=pytest.mark.slow), "data=2,fsdp=4",
+@pytest.mark.parametrize("mesh", [pytest.param("data=8", marks=pytest.mark.slow),
+                                  pytest.param("data=2,fsdp=4", marks=pytest.mark.slow),
                                   pytest.param("data=2,tensor=4", marks=pytest.mark.slow),
                                   "data=1,fsdp=2,tensor=4"])
 def test_sharded_training_matches_single_device(mesh, single_device_run):

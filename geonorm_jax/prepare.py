@@ -247,6 +247,8 @@ def prepare(inputs, output_dir: str, *, tokenizer: str = "byte", input_format: s
     raise ValueError(f"--val_tokens={val_tokens} must be >= 0")
   if not output_dir:
     raise ValueError("--output_dir is required: the folder for the token shards")
+  if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+    raise ValueError(f"--output_dir={output_dir!r} is a file, not a folder")
   paths = _resolve_inputs(inputs)
   existing = sorted(p for split in SPLITS
                     for p in glob.glob(os.path.join(glob.escape(output_dir), f"{split}_*.bin")))

@@ -170,6 +170,13 @@ def test_existing_shards_are_never_overwritten(tmp_path):
   assert sorted(os.listdir(out)) == ["train_000000.bin"]
 
 
+def test_output_dir_that_is_a_file_is_refused(tmp_path):
+  (tmp_path / "out").write_bytes(b"keep")
+  with pytest.raises(ValueError, match="--output_dir=.*out' is a file"):
+    prepare.prepare([SHAKESPEARE], str(tmp_path / "out"), progress_stream=io.StringIO())
+  assert (tmp_path / "out").read_bytes() == b"keep"
+
+
 def test_validation_taking_every_token_is_refused_and_cleaned_up(tmp_path):
   (tmp_path / "small.txt").write_text("tiny", encoding="utf-8")
   out = tmp_path / "out"

@@ -23,10 +23,17 @@ setup(
         "matplotlib==3.11.2",
     ],
     extras_require={
-        # torch 2.13.0 (CPU) is on this machine's disk; pinning it exactly keeps pip from
-        # pulling a multi-GB CUDA build. It is only needed for Hugging Face parity tests.
+        # The accelerator builds of the same jax: `pip install -e ".[cuda12]"` on an NVIDIA
+        # machine (CUDA 12 and cuDNN come as pip wheels), `pip install -e ".[tpu]"` on a Cloud
+        # TPU VM (libtpu). Without an extra, jax runs on the CPU.
+        "cuda12": ["jax[cuda12]==0.10.2"],
+        "tpu": ["jax[tpu]==0.10.2"],
+        # Only the test suite needs these. torch 2.13.0 is pinned exactly to its CPU wheel
+        # (the Hugging Face parity tests need no GPU), which keeps pip from pulling a
+        # multi-GB CUDA build.
         "test": [
             "pytest==9.2.0",
+            "hypothesis==6.170.17",
             "torch==2.13.0",
             "transformers==5.24.0",
             "nbformat",

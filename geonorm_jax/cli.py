@@ -16,6 +16,8 @@ Commands:
   main     The README's main job: GeoNorm (harmonic) vs Pre-LN on the built-in corpus,
            tiny model, both runs under --workdir, then loss_curves.png, summary.md and a
            sample from the better run.
+  prepare  Your corpus (text, .jsonl, .parquet: --input) -> token shards in --output_dir
+           (--tokenizer=byte|gpt2, --val_tokens); prints the config overrides to train on them.
 
 Examples:
   python -m geonorm_jax train --config=configs/tiny.py --workdir=/tmp/tiny
@@ -23,6 +25,7 @@ Examples:
       --config.train.steps=100
   python -m geonorm_jax sample --workdir=/tmp/tiny --prompt="The " --num_tokens=200
   python -m geonorm_jax main --workdir=runs/main
+  python -m geonorm_jax prepare --input='corpus/*.jsonl' --output_dir=data/my_corpus
 
 Config files live in configs/; each one's docstring gives its exact command.
 
@@ -37,7 +40,9 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-COMMANDS = ("train", "eval", "sample", "hessian", "main")
+from geonorm_jax import prepare  # defines the prepare command's flags
+
+COMMANDS = ("train", "eval", "sample", "hessian", "main", "prepare")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, `configs/FILE.py` or `configs/FILE.py:ARG`; override keys "
@@ -51,6 +56,7 @@ _NUM_TOKENS = flags.DEFINE_integer("num_tokens", None, "sample: tokens to genera
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "sample: softmax temperature; 0 = greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "sample: keep only the k likeliest tokens; 0 = all.")
 _SEED = flags.DEFINE_integer("seed", 0, "sample: random seed.")
+flags.adopt_module_key_flags(prepare)  # --help lists them with the others
 
 
 EXIT_RUNTIME_ERROR = 1
@@ -176,8 +182,15 @@ def run_main():
   main_job.run(_require_workdir())
 
 
+def run_prepare():
+  try:
+    _print_json(prepare.run_from_flags())
+  except (ValueError, FileNotFoundError) as e:  # a missing input, tokenizer file or package
+    raise CommandError(str(e)) from None
+
+
 _RUNNERS = {"train": run_train, "eval": run_eval, "sample": run_sample,
-            "hessian": run_hessian, "main": run_main}
+            "hessian": run_hessian, "main": run_main, "prepare": run_prepare}
 
 
 def _exit_code(err):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from geonorm_jax import data
+from geonorm_jax import data_sources
 
 # How many times `_sample_step` has been traced, for tests that check we never recompile
 # per token.
@@ -106,8 +106,7 @@ def generate_text(model, config, prompt, num_tokens, **sampling):
   The buffer is the trained window (config.data.seq_len): positions beyond it never saw a
   gradient. `sampling` takes generate's temperature, top_k and seed.
   """
-  # pylint: disable-next=protected-access
-  prompt_tokens = data.encode_text(prompt, config.data.tokenizer)
+  prompt_tokens = data_sources.encode_text(prompt, config.data.tokenizer)
   tokens = generate(model, prompt_tokens, num_tokens, context_len=config.data.seq_len,
                     **sampling)
-  return data.decode(tokens, config.data)
+  return data_sources.decode(tokens, config.data)

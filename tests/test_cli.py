@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -27,6 +26,7 @@ def _run_cli(*args, timeout=120):
                         capture_output=True, text=True, timeout=timeout, check=False)
 
 
+@pytest.mark.slow  # subprocess
 def test_help_lists_every_command_with_an_example():
   result = _run_cli("--help")  # absl exits 1 after printing help; the text is what matters
   for command in COMMANDS:
@@ -35,32 +35,34 @@ def test_help_lists_every_command_with_an_example():
   assert "--workdir" in result.stdout and "--num_tokens" in result.stdout
 
 
+@pytest.mark.slow  # subprocess
 def test_unknown_command_is_a_usage_error():
   result = _run_cli("trian")
   assert result.returncode != 0
   assert "one of: train, eval, sample, hessian, main" in result.stderr
 
 
+@pytest.mark.slow  # subprocess
 def test_bad_placement_fails_fast_naming_the_field_and_writes_nothing(tmp_path):
   workdir = tmp_path / "run"
-  started = time.perf_counter()
   result = _run_cli("train", "--config=configs/tiny.py", f"--workdir={workdir}",
                     "--config.model.placement=foo")
-  elapsed = time.perf_counter() - started
   assert result.returncode != 0
   assert "model.placement" in result.stderr and "'foo'" in result.stderr
   assert "Traceback" not in result.stderr
+  # Training creates the workdir before it builds or compiles anything, so its absence
+  # shows the error came first.
   assert not workdir.exists()
-  # Import time only: nothing was compiled (a tiny train step alone takes longer).
-  assert elapsed < 30, elapsed
 
 
+@pytest.mark.slow  # subprocess
 def test_hessian_on_a_directory_without_a_run_is_one_line(tmp_path):
   result = _run_cli("hessian", f"--workdir={tmp_path}")
   assert result.returncode != 0
   assert "config.json" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # subprocess
 def test_train_then_eval_then_sample_end_to_end(tmp_path):
   workdir = str(tmp_path / "run")
   trained = _run_cli("train", "--config=configs/tiny.py", f"--workdir={workdir}",

@@ -3,13 +3,13 @@ x optimizer fields. Every valid config trains to a finite loss; every invalid va
 by validate, before compilation, with an error that starts with the field's name."""
 import jax
 import numpy as np
+import hypothesis
 import pytest
 
 from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
 from geonorm_jax import train as train_lib
 
-hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
 

@@ -1,6 +1,9 @@
 """Tests for geonorm_jax.data: sources, windows, resumption, process shards, errors."""
+import hashlib
 import os
 import pickle
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -8,10 +11,13 @@ from array_record.python import array_record_module
 from pydoc_data import topics
 
 from geonorm_jax import config as config_lib
-from geonorm_jax import data
+from geonorm_jax import data, data_sources
 
-SHAKESPEARE = "/work/shared/data/tinyshakespeare.txt"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Shipped with the repository (data/README.md says where it comes from).
+SHAKESPEARE = os.path.join(REPO_ROOT, "data", "tinyshakespeare.txt")
 SHAKESPEARE_BYTES = 1_115_394
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 SEQ_LEN = 8
 BATCH = 4
 # Distinct ids (< 2**16) make each token its own position: a window's first id is its start.
@@ -35,7 +41,7 @@ def write_nanogpt(path, tokens):
   return str(path)
 
 
-def write_fineweb(path, tokens, magic=data.FINEWEB_MAGIC, version=data.FINEWEB_VERSION,
+def write_fineweb(path, tokens, magic=data_sources.FINEWEB_MAGIC, version=data_sources.FINEWEB_VERSION,
                   num_tokens=None):
   header = np.zeros(256, dtype="<i4")
   header[:3] = magic, version, len(tokens) if num_tokens is None else num_tokens
@@ -54,7 +60,7 @@ def write_array_record(path, documents):
 
 
 def full_stream(config):
-  train, val = data.load_token_streams(config.data, config.model.vocab_size)
+  train, val = data_sources.load_token_streams(config.data, config.model.vocab_size)
   return np.concatenate([np.asarray(train), np.asarray(val)])
 
 
@@ -79,7 +85,7 @@ def test_builtin_corpus_is_large_and_deterministic():
   assert len(tokens) > 400_000  # 466,117 bytes with CPython 3.11.7
   np.testing.assert_array_equal(tokens, np.frombuffer(expected, np.uint8))
   assert len(np.unique(tokens)) > 90  # real English text, not a constant fill
-  data._load_token_streams_cached.cache_clear()
+  data_sources._load_token_streams_cached.cache_clear()
   np.testing.assert_array_equal(full_stream(config), tokens)
 
 
@@ -90,18 +96,23 @@ def test_text_source_round_trips_bytes_and_decodes(tmp_path):
   config = make_config(source="text", path=str(path))
   tokens = full_stream(config)
   np.testing.assert_array_equal(tokens, np.frombuffer(text.encode("utf-8"), np.uint8))
-  assert data.decode(tokens, config.data) == text
+  assert data_sources.decode(tokens, config.data) == text
+
+
+def test_shipped_tinyshakespeare_is_the_published_file():
+  with open(SHAKESPEARE, "rb") as f:  # a missing file fails here: it ships with the repo
+    raw = f.read()
+  assert len(raw) == SHAKESPEARE_BYTES
+  assert hashlib.sha256(raw).hexdigest() == SHAKESPEARE_SHA256
 
 
 def test_tinyshakespeare_as_text_source():
-  if not os.path.exists(SHAKESPEARE):
-    pytest.skip(f"{SHAKESPEARE} not present")
   config = make_config(source="text", path=SHAKESPEARE, seq_len=64)
   config.model.vocab_size = 256
-  train, val = data.load_token_streams(config.data, 256)
+  train, val = data_sources.load_token_streams(config.data, 256)
   assert len(train) + len(val) == SHAKESPEARE_BYTES
   assert len(val) == int(SHAKESPEARE_BYTES * 0.1)
-  assert data.decode(train[:14], config.data) == "First Citizen:"
+  assert data_sources.decode(train[:14], config.data) == "First Citizen:"
   batch = next(data.make_train_iterator(config, 0, 1))["tokens"]
   assert batch.shape == (BATCH, 65) and batch.max() < 128  # tinyshakespeare is ASCII
 
@@ -118,7 +129,7 @@ def test_fineweb_bin_glob_concatenates_shards_in_order(tmp_path):
     write_fineweb(tmp_path / f"fw_train_{i:06d}.bin", shard)
   config = make_config(source="fineweb_bin", path=str(tmp_path / "fw_train_*.bin"))
   np.testing.assert_array_equal(full_stream(config), np.concatenate(shards))
-  train, _ = data.load_token_streams(config.data, config.model.vocab_size)
+  train, _ = data_sources.load_token_streams(config.data, config.model.vocab_size)
   np.testing.assert_array_equal(train[95:205], np.arange(95, 205))  # spans three files
 
 
@@ -136,25 +147,25 @@ def test_val_path_is_used_as_validation(tmp_path):
   config = make_config(source="nanogpt_bin",
                        path=write_nanogpt(tmp_path / "train.bin", train_tokens),
                        val_path=write_nanogpt(tmp_path / "val.bin", val_tokens))
-  train, val = data.load_token_streams(config.data, config.model.vocab_size)
+  train, val = data_sources.load_token_streams(config.data, config.model.vocab_size)
   np.testing.assert_array_equal(np.asarray(train), train_tokens)
   np.testing.assert_array_equal(np.asarray(val), val_tokens)
 
 
 def test_split_is_the_tail_and_deterministic(tmp_path):
   config = unique_config(tmp_path, val_fraction=0.25)
-  train, val = data.load_token_streams(config.data, config.model.vocab_size)
+  train, val = data_sources.load_token_streams(config.data, config.model.vocab_size)
   split = NUM_UNIQUE - int(NUM_UNIQUE * 0.25)
   np.testing.assert_array_equal(np.asarray(train), UNIQUE_STREAM[:split])
   np.testing.assert_array_equal(np.asarray(val), UNIQUE_STREAM[split:])
-  data._load_token_streams_cached.cache_clear()
-  train_again, _ = data.load_token_streams(config.data, config.model.vocab_size)
+  data_sources._load_token_streams_cached.cache_clear()
+  train_again, _ = data_sources.load_token_streams(config.data, config.model.vocab_size)
   assert len(train_again) == split
 
 
 def test_file_stream_pickles_without_its_data(tmp_path):
   config = unique_config(tmp_path)
-  train, _ = data.load_token_streams(config.data, config.model.vocab_size)
+  train, _ = data_sources.load_token_streams(config.data, config.model.vocab_size)
   pickled = pickle.dumps(train)
   assert len(pickled) < 1000  # file names, not 5,400 bytes of tokens
   np.testing.assert_array_equal(np.asarray(pickle.loads(pickled)), np.asarray(train))
@@ -165,15 +176,46 @@ def test_gpt2_tokenizer_loads_offline_or_names_the_field(tmp_path):
   path.write_text("Hello world, hello tokens.", encoding="utf-8")
   config = make_config(source="text", path=str(path), tokenizer="gpt2", seq_len=2)
   try:
-    encoding = data._gpt2_encoding()
+    encoding = data_sources._gpt2_encoding()
   except ValueError as e:
     assert "data.tokenizer" in str(e)
     with pytest.raises(ValueError, match="data.tokenizer"):
-      data.load_token_streams(config.data, config.model.vocab_size)
+      data_sources.load_token_streams(config.data, config.model.vocab_size)
     return
   tokens = full_stream(config)
   np.testing.assert_array_equal(tokens, encoding.encode_ordinary(path.read_text()))
-  assert data.decode(tokens, config.data) == path.read_text()
+  assert data_sources.decode(tokens, config.data) == path.read_text()
+
+
+def test_gpt2_error_names_each_missing_tokenizer_file(tmp_path, monkeypatch):
+  fake_tiktoken = types.ModuleType("tiktoken")  # installed, but its cache is empty
+  fake_tiktoken.load = types.ModuleType("tiktoken.load")
+  monkeypatch.setitem(sys.modules, "tiktoken", fake_tiktoken)
+  monkeypatch.setitem(sys.modules, "tiktoken.load", fake_tiktoken.load)
+  monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+  data_sources._gpt2_encoding.cache_clear()
+  # The names tiktoken gives its cached copies of the two GPT-2 files.
+  vocab_path = tmp_path / "6d1cbeee0f20b3d9449abfede4726ed8212e3aee"
+  encoder_path = tmp_path / "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6"
+  assert data_sources.gpt2_tokenizer_files() == {"vocab.bpe": str(vocab_path),
+                                                 "encoder.json": str(encoder_path)}
+  with pytest.raises(ValueError, match=f"vocab.bpe \\(expected at {vocab_path}\\).*"
+                     f"encoder.json \\(expected at {encoder_path}\\)"):
+    data_sources._gpt2_encoding()
+  vocab_path.write_text("#version: 0.2\n")
+  data_sources._gpt2_encoding.cache_clear()
+  with pytest.raises(ValueError, match="Missing: encoder.json") as error:
+    data_sources._gpt2_encoding()
+  assert "vocab.bpe (expected" not in str(error.value)
+  data_sources._gpt2_encoding.cache_clear()
+
+
+def test_gpt2_error_names_the_missing_package(monkeypatch):
+  monkeypatch.setitem(sys.modules, "tiktoken", None)  # import fails as if not installed
+  data_sources._gpt2_encoding.cache_clear()
+  with pytest.raises(ValueError, match="data.tokenizer='gpt2'.*pip install tiktoken"):
+    data_sources._gpt2_encoding()
+  data_sources._gpt2_encoding.cache_clear()
 
 
 def test_gpt2_text_path_uses_the_encoding(tmp_path, monkeypatch):
@@ -186,21 +228,21 @@ def test_gpt2_text_path_uses_the_encoding(tmp_path, monkeypatch):
     def decode_single_token_bytes(self, token):
       return b"w%d " % (token - 50000)
 
-  monkeypatch.setattr(data, "_gpt2_encoding", FakeEncoding)
+  monkeypatch.setattr(data_sources, "_gpt2_encoding", FakeEncoding)
   path = tmp_path / "g.txt"
   path.write_text("a bb ccc dddd", encoding="utf-8")
   config = make_config(source="text", path=str(path), tokenizer="gpt2", val_fraction=0.5,
                        seq_len=1)
   np.testing.assert_array_equal(full_stream(config), [50001, 50002, 50003, 50004])
-  assert data.decode([50002, 60000], config.data) == "w2 \ufffd"
+  assert data_sources.decode([50002, 60000], config.data) == "w2 \ufffd"
   config.model.vocab_size = 50257
   data.validate_data_config(config)
 
 
 def test_decode_replaces_bad_bytes_and_out_of_range_ids():
   config = make_config()
-  assert data.decode([104, 105], config.data) == "hi"
-  assert data.decode([104, 0xC3, 300, 105], config.data) == "h\ufffd\ufffdi"
+  assert data_sources.decode([104, 105], config.data) == "hi"
+  assert data_sources.decode([104, 0xC3, 300, 105], config.data) == "h\ufffd\ufffdi"
 
 
 # ---------------------------------------------------------------------------- windows
@@ -209,7 +251,7 @@ def test_decode_replaces_bad_bytes_and_out_of_range_ids():
 @pytest.mark.parametrize("sampling", data.SAMPLINGS)
 def test_windows_are_slices_of_the_training_split(tmp_path, sampling):
   config = unique_config(tmp_path, sampling=sampling)
-  train, _ = data.load_token_streams(config.data, config.model.vocab_size)
+  train, _ = data_sources.load_token_streams(config.data, config.model.vocab_size)
   for batch in take(data.make_train_iterator(config, 0, 1), 20):
     assert batch.dtype == np.int32 and batch.shape == (BATCH, SEQ_LEN + 1)
     for row in batch:
@@ -248,7 +290,7 @@ def test_random_windows_cover_the_split_and_depend_on_seed(tmp_path):
 
 def test_packed_epoch_visits_every_window_once_then_reshuffles(tmp_path):
   config = unique_config(tmp_path, sampling="packed", seq_len=100)
-  train, _ = data.load_token_streams(config.data, config.model.vocab_size)
+  train, _ = data_sources.load_token_streams(config.data, config.model.vocab_size)
   num_windows = (len(train) - 1) // 100  # 26, so 6 full batches of 4 + 2 spill over
   starts = np.concatenate([b[:, 0] for b in take(data.make_train_iterator(config, 0, 1), 13)])
   first, second = starts[:num_windows], starts[num_windows:2 * num_windows]
@@ -274,6 +316,7 @@ def test_resume_from_state_is_exact(tmp_path, sampling):
   assert not np.array_equal(reference[3], reference[4])
 
 
+@pytest.mark.slow  # a grain worker process
 def test_resume_with_worker_processes(tmp_path):
   config = unique_config(tmp_path, num_workers=1)
   reference = take(data.make_train_iterator(unique_config(tmp_path), 0, 1), 5)
@@ -396,15 +439,15 @@ def test_byte_text_beyond_small_vocab(tmp_path):
 
 
 def test_vocab_check_is_chunkwise_and_names_the_shard(tmp_path, monkeypatch):
-  monkeypatch.setattr(data, "_RANGE_CHECK_CHUNK", 64)
+  monkeypatch.setattr(data_sources, "_RANGE_CHECK_CHUNK", 64)
   read_sizes = []
-  original_read = data.TokenFileStream._read
+  original_read = data_sources.TokenFileStream._read
 
   def recording_read(self, start, stop):
     read_sizes.append(stop - start)
     return original_read(self, start, stop)
 
-  monkeypatch.setattr(data.TokenFileStream, "_read", recording_read)
+  monkeypatch.setattr(data_sources.TokenFileStream, "_read", recording_read)
   write_fineweb(tmp_path / "s_0.bin", np.arange(500) % 100)
   bad = np.arange(500) % 100
   bad[333] = 40000  # inside the sixth chunk of the second shard

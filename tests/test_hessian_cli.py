@@ -11,6 +11,8 @@ import os
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # trains a run, then analyses its checkpoint end to end
+
 from geonorm_jax import config as config_lib
 from geonorm_jax import hessian_cli, metrics, optim, train
 

@@ -25,6 +25,8 @@ from flax import nnx
 from geonorm_jax import config as config_lib
 from geonorm_jax import hessian, losses, model as model_lib
 
+pytestmark = pytest.mark.slow  # dense reference Hessians of tiny models, one per placement
+
 # Measured: these two halve the compile time and change the dense Hessian by ~1e-8
 # relative. (Disabling XLA's fusion passes on top, via xla_disable_hlo_passes, compiled
 # faster still but gave a wrong Hessian: asymmetry 1.08. Do not add it.)

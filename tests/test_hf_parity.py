@@ -4,18 +4,18 @@ The HF models are random-initialised from small configs (no download). Every par
 then nudged with noise, so that norms' gains are not all 1 and biases not all 0: a swapped
 gain and bias, or a transposed square matrix, would otherwise go unnoticed.
 """
+import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch  # a test extra: `pip install -e ".[test]"`
+import transformers
+from flax import nnx
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from geonorm_jax import convert
+from geonorm_jax import model as model_lib
+from geonorm_jax.spec import resolve
 
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from geonorm_jax import convert  # noqa: E402
-from geonorm_jax import model as model_lib  # noqa: E402
-from geonorm_jax.spec import resolve  # noqa: E402
+pytestmark = pytest.mark.slow  # imports torch and transformers
 
 TOLERANCE = 1e-4  # max abs logit difference, float32 on both sides
 BATCH, LENGTH = 2, 24

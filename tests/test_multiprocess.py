@@ -23,6 +23,8 @@ CONFIG = ("tiny,num_layers=1,d_model=32,num_heads=2,seq_len=32,batch_size=8,max_
           "train.eval_batches=2,train.progress_bar=false,checkpoint.every=4")
 TIMEOUT_S = 150
 
+pytestmark = pytest.mark.slow  # two worker processes
+
 
 def _free_port():
   with socket.socket() as sock:

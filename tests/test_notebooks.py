@@ -1,13 +1,14 @@
 """Every notebook executes headless on a tiny run made here, and draws its figures."""
 import os
 
+import nbclient  # test extras: `pip install -e ".[test]"`
+import nbformat
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
+from geonorm_jax import config as config_lib
+from geonorm_jax import train
 
-from geonorm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-from geonorm_jax import train  # pylint: disable=g-import-not-at-top
+pytestmark = pytest.mark.slow  # starts a Jupyter kernel
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK_DIR = os.path.join(REPO_ROOT, "notebooks")

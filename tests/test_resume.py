@@ -31,6 +31,8 @@ TIMEOUT_S = 120
 # run is 0.6 s or more away from its next checkpoint (step 20), which the resume must not use.
 STEP_DELAY_S = 0.2
 
+pytestmark = pytest.mark.slow  # training subprocesses, killed for real
+
 
 class _Run:
   """One driver subprocess, its output going to files (a pipe could fill up and block it)."""

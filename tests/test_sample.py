@@ -25,7 +25,7 @@ def _greedy_by_full_forward(model, prompt, num_tokens):
   return tokens[len(prompt):]
 
 
-@pytest.mark.parametrize("backbone", ["gpt2", "llama"])
+@pytest.mark.parametrize("backbone", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_greedy_matches_argmax_of_full_logits_through_the_sliding_window(backbone):
   model = _tiny_model(backbone)
   prompt = [5, 17, 200]

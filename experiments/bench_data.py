@@ -6,7 +6,7 @@ are counted as the trainer counts them: batch * seq_len predicted positions per 
 The loader should deliver at least 10x the tiny model's training tokens/s, so when
 `geonorm_jax.train.benchmark_tokens_per_s(config, steps)` exists it is measured too.
 
-  cd /work/main && .venv/bin/python experiments/bench_data.py
+  python experiments/bench_data.py
 
 Writes results/bench/data.json. Takes well under a minute.
 """

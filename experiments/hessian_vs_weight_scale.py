@@ -27,7 +27,7 @@ linear map of every block (activation taps: those of blocks.0.attn.q and blocks.
 Embedding and head are never scaled. Note pre + qk_norm normalises q per head after the
 q map, so its `q` scope is a Norm(Wx) case too; geonorm's maps are plain.
 
-  cd /work/main && .venv/bin/python experiments/hessian_vs_weight_scale.py [--report_only]
+  python experiments/hessian_vs_weight_scale.py [--report_only]
 
 Writes results/hessian_vs_weight_scale/{results.csv, results.md, loglog.png}; trained
 checkpoints are kept in runs/hessian_vs_weight_scale/ and reused on a second run.

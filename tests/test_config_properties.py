@@ -1,9 +1,9 @@
 """Property tests over configs (hypothesis): placement x backbone x sizes x dtype x dt x qk_norm
 x optimizer fields. Every valid config trains to a finite loss; every invalid value is refused
 by validate, before compilation, with an error that starts with the field's name."""
+import hypothesis
 import jax
 import numpy as np
-import hypothesis
 import pytest
 
 from geonorm_jax import config as config_lib

@@ -1,6 +1,6 @@
 """SimpleNorm's curvature claim on an untrained tiny model, with W -> cW on one linear map.
 
-Three separate statements (design/HESSIAN.md), checked on blocks.0.mlp.up:
+Three separate statements (docs/hessian.md), checked on blocks.0.mlp.up:
   * Norm(cWx): the Hessian w.r.t. the map's input x (the `.in` tap) does not depend on
     c, because Norm(c(Wx + b)) == Norm(Wx + b) up to the norm's eps;
   * Norm(cWx): the Hessian w.r.t. the map's own parameters scales exactly as 1/c^2

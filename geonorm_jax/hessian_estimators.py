@@ -126,10 +126,6 @@ def _norm(a: PyTree) -> jax.Array:
   return jnp.sqrt(_dot(a, a))
 
 
-def _all_finite(a: PyTree) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(a)]))
-
-
 def _random_tree(key: jax.Array, op: _Operator, init: str) -> PyTree:
   leaves, treedef = jax.tree.flatten(op.like)
   keys = jax.random.split(key, len(leaves))
@@ -196,78 +192,99 @@ class LanczosResult(NamedTuple):
 
 
 class _LanczosCarry(NamedTuple):
-  basis: PyTree  # leaves (M + 1, ...); rows not yet computed are zero
-  alphas: jax.Array
-  betas: jax.Array
-  num_valid: jax.Array
+  """The state of `lanes` runs advancing together; per-run arrays end in a (lanes,) axis."""
+  basis: PyTree  # leaves (M + 1, lanes, ...); rows not yet computed are zero
+  alphas: jax.Array  # (M, lanes)
+  betas: jax.Array  # (M, lanes)
+  num_valid: jax.Array  # (lanes,)
   active: jax.Array
   breakdown: jax.Array
   nonfinite_step: jax.Array
   norm_estimate: jax.Array  # running max of |alpha|, beta: the scale for "beta ~ 0"
 
 
-def _basis_coefficients(basis: PyTree, w: PyTree) -> jax.Array:
-  """(M + 1,) inner products of every basis row with w (trailing axes contracted in place,
-  so a sharded leaf is never reshaped)."""
-  def one(b, x):
-    return jnp.tensordot(b, x, axes=(tuple(range(1, b.ndim)), tuple(range(x.ndim))),
-                         precision=_HIGHEST)
-  return sum(one(b, x) for b, x in zip(jax.tree.leaves(basis), jax.tree.leaves(w)))
+def _lane_sum(tree: PyTree) -> jax.Array:
+  """(lanes,) sums over every axis but the leading lane axis, over all leaves."""
+  return sum(jnp.sum(x, axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(tree))
+
+
+def _lane_where(mask_P: jax.Array, tree: PyTree, other) -> PyTree:
+  return jax.tree.map(
+      lambda x: jnp.where(mask_P.reshape((-1,) + (1,) * (x.ndim - 1)), x, other), tree)
 
 
 def _lanczos_loop(op: _Operator, v0: PyTree, num_steps: int, breakdown_tol: float,
                   progress: Progress) -> _LanczosCarry:
+  """Lanczos runs from the unit start vectors v0 (leaves (lanes, ...)) in lockstep.
+
+  One shared step counter, so reading and writing basis row i are plain dynamic slices
+  (a per-lane counter, as vmapping a single run's while_loop gives, turns them into
+  gathers and scatters over the whole basis). A lane that breaks down is masked.
+  """
+  lanes = jax.tree.leaves(v0)[0].shape[0]
   rows = jnp.arange(num_steps + 1)
   basis = jax.tree.map(
       lambda v: jnp.zeros((num_steps + 1,) + v.shape, jnp.float32).at[0].set(v), v0)
   init = _LanczosCarry(
-      basis=_constrain(basis, op, leading_axes=1),
-      alphas=jnp.zeros((num_steps,), jnp.float32),
-      betas=jnp.zeros((num_steps,), jnp.float32),
-      num_valid=jnp.int32(0),
-      active=jnp.bool_(True),
-      breakdown=jnp.bool_(False),
-      nonfinite_step=jnp.int32(-1),
-      norm_estimate=jnp.float32(0.0),
+      basis=_constrain(basis, op, leading_axes=2),
+      alphas=jnp.zeros((num_steps, lanes), jnp.float32),
+      betas=jnp.zeros((num_steps, lanes), jnp.float32),
+      num_valid=jnp.zeros((lanes,), jnp.int32),
+      active=jnp.ones((lanes,), bool),
+      breakdown=jnp.zeros((lanes,), bool),
+      nonfinite_step=jnp.full((lanes,), -1, jnp.int32),
+      norm_estimate=jnp.zeros((lanes,), jnp.float32),
   )
+  if lanes == 1:  # no vmap: the single run's HVP is exactly the caller's matvec
+    lane_matvec = lambda v: jax.tree.map(lambda x: x[None], op.matvec(
+        jax.tree.map(lambda x: x[0], v)))
+  else:
+    lane_matvec = jax.vmap(op.matvec)
 
   def step(i, carry):
+    active = carry.active
     v = jax.tree.map(lambda b: b[i], carry.basis)
-    w = _constrain(op.matvec(v), op)
-    finite = _all_finite(w)
-    w = jax.tree.map(lambda x: jnp.where(finite, x, 0.0), w)  # keep NaN out of the basis
-    alpha = _dot(v, w)
-    _report(progress, carry.active, alpha)
+    w = _constrain(lane_matvec(v), op, leading_axes=1)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim)))
+                                for x in jax.tree.leaves(w)]), axis=0)
+    w = _lane_where(finite, w, 0.0)  # keep NaN out of the basis
+    alpha = _lane_sum(jax.tree.map(jnp.multiply, v, w))
+    _report(progress, jnp.sum(active), alpha)
     # Full reorthogonalisation subsumes the three-term recurrence; a second pass of
     # classical Gram-Schmidt restores orthogonality to working precision.
-    previous = (rows <= i).astype(jnp.float32)
+    previous = (rows <= i).astype(jnp.float32)[:, None]
     for _ in range(2):
-      coefficients = previous * _basis_coefficients(carry.basis, w)
+      coefficients = previous * sum(
+          jnp.einsum("mp...,p...->mp", b, x, precision=_HIGHEST)
+          for b, x in zip(jax.tree.leaves(carry.basis), jax.tree.leaves(w)))
       w = jax.tree.map(
-          lambda x, b: x - jnp.tensordot(coefficients, b, axes=(0, 0), precision=_HIGHEST),
+          lambda x, b: x - jnp.einsum("mp,mp...->p...", coefficients, b, precision=_HIGHEST),
           w, carry.basis)
-    beta = _norm(w)
+    beta = jnp.sqrt(_lane_sum(jax.tree.map(jnp.square, w)))
     norm_estimate = jnp.maximum(carry.norm_estimate, jnp.maximum(jnp.abs(alpha), beta))
     broke = finite & (beta <= breakdown_tol * norm_estimate)
-    proceed = finite & ~broke
+    proceed = active & finite & ~broke
     scale = jnp.where(proceed, 1.0 / jnp.where(proceed, beta, 1.0), 0.0)
-    basis = jax.tree.map(lambda b, x: b.at[i + 1].set(x * scale), carry.basis, w)
+    basis = jax.tree.map(
+        lambda b, x: b.at[i + 1].set(x * scale.reshape((-1,) + (1,) * (x.ndim - 1))),
+        carry.basis, w)
+    keep = active & finite
     return _LanczosCarry(
-        basis=_constrain(basis, op, leading_axes=1),
-        alphas=carry.alphas.at[i].set(jnp.where(finite, alpha, 0.0)),
-        betas=carry.betas.at[i].set(jnp.where(finite, beta, 0.0)),
-        num_valid=jnp.where(finite, i + 1, i).astype(jnp.int32),
+        basis=_constrain(basis, op, leading_axes=2),
+        alphas=carry.alphas.at[i].set(jnp.where(keep, alpha, 0.0)),
+        betas=carry.betas.at[i].set(jnp.where(keep, beta, 0.0)),
+        num_valid=jnp.where(keep, i + 1, carry.num_valid).astype(jnp.int32),
         active=proceed,
-        breakdown=broke,
-        nonfinite_step=jnp.where(finite, -1, i).astype(jnp.int32),
-        norm_estimate=norm_estimate,
+        breakdown=jnp.where(active, broke, carry.breakdown),
+        nonfinite_step=jnp.where(active & ~finite, i, carry.nonfinite_step).astype(jnp.int32),
+        norm_estimate=jnp.where(active, norm_estimate, carry.norm_estimate),
     )
 
   # A while_loop stops at a breakdown (no wasted HVPs); a lax.cond guard inside a
   # fori_loop did the same but made every HVP ~35% slower on CPU (bench_hessian.py).
   def keep_going(state):
     i, carry = state
-    return (i < num_steps) & carry.active
+    return (i < num_steps) & jnp.any(carry.active)
 
   def advance(state):
     i, carry = state
@@ -303,26 +320,28 @@ def _ritz_from_tridiagonal(alphas_M, betas_M, num_valid):
   return ritz_M, bounds_M, weights_M, valid, evecs_MxM
 
 
-def _lanczos_run(op: _Operator, v0: PyTree, num_steps: int, breakdown_tol: float,
-                 return_vectors: bool, progress: Progress) -> LanczosResult:
+def _lanczos_runs(op: _Operator, v0: PyTree, num_steps: int, breakdown_tol: float,
+                  return_vectors: bool, progress: Progress) -> LanczosResult:
+  """Results with a leading (lanes,) axis for the unit starts v0 (leaves (lanes, ...))."""
   carry = _lanczos_loop(op, v0, num_steps, breakdown_tol, progress)
-  ritz_M, bounds_M, weights_M, valid_M, evecs_MxM = _ritz_from_tridiagonal(
-      carry.alphas, carry.betas, carry.num_valid)
+  ritz, bounds, weights, valid, evecs = jax.vmap(_ritz_from_tridiagonal)(
+      carry.alphas.T, carry.betas.T, carry.num_valid)
   finite = carry.nonfinite_step < 0
-  nan_unless_finite = lambda x: jnp.where(finite, x, jnp.nan)
+  lane = lambda x: finite.reshape((-1,) + (1,) * (x.ndim - 1))
+  nan_unless_finite = lambda x: jnp.where(lane(x), x, jnp.nan)
   vectors = None
   if return_vectors:
     vectors = jax.tree.map(
-        lambda b: nan_unless_finite(jnp.tensordot(evecs_MxM.T, b[:num_steps], axes=(1, 0),
-                                                  precision=_HIGHEST)), carry.basis)
-  step_valid = jnp.arange(num_steps) < carry.num_valid
+        lambda b: nan_unless_finite(jnp.einsum("pkm,kp...->pm...", evecs, b[:num_steps],
+                                               precision=_HIGHEST)), carry.basis)
+  step_valid = (jnp.arange(num_steps)[None, :] < carry.num_valid[:, None])
   return LanczosResult(
-      ritz_values=nan_unless_finite(ritz_M),
-      residual_bounds=nan_unless_finite(bounds_M),
-      weights=nan_unless_finite(weights_M),
-      valid=valid_M & finite,
-      alphas=jnp.where(step_valid, carry.alphas, 0.0),
-      betas=jnp.where(step_valid, carry.betas, 0.0),
+      ritz_values=nan_unless_finite(ritz),
+      residual_bounds=nan_unless_finite(bounds),
+      weights=nan_unless_finite(weights),
+      valid=valid & finite[:, None],
+      alphas=jnp.where(step_valid, carry.alphas.T, 0.0),
+      betas=jnp.where(step_valid, carry.betas.T, 0.0),
       num_valid_steps=carry.num_valid,
       breakdown=carry.breakdown,
       finite=finite,
@@ -359,7 +378,9 @@ def lanczos(
   if start is None:
     start = _random_tree(key, op, init)
   v0 = _unit(jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), start))
-  return _lanczos_run(op, v0, num_steps, breakdown_tol, return_vectors, progress)
+  result = _lanczos_runs(op, jax.tree.map(lambda x: x[None], v0), num_steps, breakdown_tol,
+                         return_vectors, progress)
+  return jax.tree.map(lambda x: x[0], result)
 
 
 def lanczos_batch(
@@ -377,11 +398,10 @@ def lanczos_batch(
 ) -> LanczosResult:
   """`num_runs` independent Lanczos runs from random starts, `lanes` at a time (default all).
 
-  The runs of one group advance in lockstep through one vmapped matvec: a product of the
-  group costs one compiled call with a leading lanes axis (the model's forward pass in the
-  HVP is shared, its matrices multiply lanes vectors at once). A run that breaks down
-  stops contributing (its lanes are masked) while the others continue. Fields gain a
-  leading (num_runs,) axis; run r starts from `jax.random.split(key, num_runs)[r]`.
+  The runs of one group advance in lockstep through one vmapped matvec (one compiled call
+  with a leading lanes axis serves the group), with one basis per lane; groups run one
+  after another. A run that breaks down is masked while the others continue. Fields gain
+  a leading (num_runs,) axis; run r starts from `jax.random.split(key, num_runs)[r]`.
   """
   op = _operator(matvec, like, shardings)
   _check_num_steps(num_steps, op.dim)
@@ -389,11 +409,20 @@ def lanczos_batch(
   lanes = num_runs if lanes is None else lanes
   _check_count("lanes", lanes)
 
-  def one_run(run_key):
-    v0 = _unit(_random_tree(run_key, op, init))
-    return _lanczos_run(op, v0, num_steps, breakdown_tol, False, progress)
+  def group(keys):
+    v0 = jax.vmap(lambda k: _unit(_random_tree(k, op, init)))(keys)
+    return _lanczos_runs(op, v0, num_steps, breakdown_tol, False, progress)
 
-  return lax.map(one_run, jax.random.split(key, num_runs), batch_size=min(lanes, num_runs))
+  keys = jax.random.split(key, num_runs)
+  lanes = min(lanes, num_runs)
+  full, rest = divmod(num_runs, lanes)
+  parts = []
+  if full:
+    grouped = lax.map(group, keys[:full * lanes].reshape(full, lanes))
+    parts.append(jax.tree.map(lambda x: x.reshape((full * lanes,) + x.shape[2:]), grouped))
+  if rest:
+    parts.append(group(keys[full * lanes:]))
+  return parts[0] if len(parts) == 1 else concatenate_runs(*parts)
 
 
 def concatenate_runs(*runs: LanczosResult) -> LanczosResult:

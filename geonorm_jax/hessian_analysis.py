@@ -50,7 +50,10 @@ class Settings:
   estimates: tuple = ("top", "density", "trace")
   num_steps: int = 50  # Lanczos steps of the top run and of every density probe
   num_probes: int = 8  # density / trace probes, the top run included
-  lanes: int = 0  # probes per compiled call; 0 = all of them at once
+  # Probes per compiled call; 0 = auto: one on CPU, where a vmapped product measured
+  # slower per probe than single ones (results/bench/hessian_analysis.json), all of them
+  # on accelerators.
+  lanes: int = 0
   num_batches: int = 4  # validation batches the loss averages over
   top_k: int = 10
   precond_steps: int = 20
@@ -66,7 +69,7 @@ class Settings:
       if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
         raise ValueError(f"{field}={getattr(self, field)!r} must be a positive integer")
     if self.lanes < 0:
-      raise ValueError(f"lanes={self.lanes} must be >= 0 (0: every probe in one call)")
+      raise ValueError(f"lanes={self.lanes} must be >= 0 (0: automatic)")
     if self.top_k > self.num_steps:
       raise ValueError(f"top_k={self.top_k} exceeds num_steps={self.num_steps}")
     if self.hvp not in HVP_MODES:
@@ -80,6 +83,11 @@ class Settings:
     out["estimates"] = list(self.estimates)
     return out
 
+  def lanes_for(self, num_probes: int) -> int:
+    if self.lanes:
+      return min(self.lanes, num_probes)
+    return 1 if jax.default_backend() == "cpu" else num_probes
+
   @property
   def new_probes(self) -> int:
     """Density probes beyond the top run (which counts as one when it is computed)."""
@@ -87,7 +95,7 @@ class Settings:
 
   def stages(self) -> list[Stage]:
     """The plan: each chosen estimate and the products it runs, in execution order."""
-    lanes = lambda n: min(self.lanes or n, n)
+    lanes = self.lanes_for
     stages = []
     if "top" in self.estimates:
       stages.append(Stage("top", f"Lanczos, {self.num_steps} steps", self.num_steps))
@@ -145,10 +153,10 @@ class Analyser:
     self._top = jax.jit(lambda p, t, k: estimators.lanczos(
         self._matvec(p, t), p, s.num_steps, k, shardings=self.shardings, progress=report))
     self._probes = jax.jit(lambda p, t, k: estimators.lanczos_batch(
-        self._matvec(p, t), p, s.num_steps, s.new_probes, k, lanes=s.lanes or None,
+        self._matvec(p, t), p, s.num_steps, s.new_probes, k, lanes=s.lanes_for(s.new_probes),
         shardings=self.shardings, progress=report))
     self._hutchinson = jax.jit(lambda p, t, k: estimators.hutchinson_trace(
-        self._matvec(p, t), p, s.num_probes, k, lanes=s.lanes or None,
+        self._matvec(p, t), p, s.num_probes, k, lanes=s.lanes_for(s.num_probes),
         shardings=self.shardings, progress=report))
     self._precond = jax.jit(lambda p, t, precond, k: estimators.lanczos(
         hessian_matvec.preconditioned_matvec(self._matvec(p, t), precond), p, s.precond_steps,
@@ -236,6 +244,7 @@ class Analyser:
                              "residual_bound": float(result.residual_bounds[0])}
         report["seconds"]["precond"] = time.perf_counter() - started
     finally:
+      jax.effects_barrier()  # the last progress callbacks have run
       self.progress.close()
     return report
 

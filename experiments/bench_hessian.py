@@ -20,9 +20,26 @@ same number of HVPs in a plain loop. When each Lanczos step sat in a lax.cond (t
 guard) that ratio was +43%: an HVP inside a cond in a fori_loop took 0.356 s against 0.265 s
 without it. hessian.lanczos now carries the guard in a while_loop's condition instead.
 
-  cd /work/main && .venv/bin/python experiments/bench_hessian.py
+  python experiments/bench_hessian.py
 
 Writes results/bench/hessian.json (numbers of every round included). About 2-3 minutes.
+
+Two more modes:
+
+  python experiments/bench_hessian.py --analysis=RUN [--num_steps=50 --num_probes=8 --rounds=3]
+    The checkpoint analysis before issue 12 (OLD_COMMIT's hessian.py and hessian_cli._analyse,
+    read from git: one jit, probes one after another, the HVP recomputed per micro-batch)
+    against hessian_analysis.Analyser with the same settings, alternating, medians; plus how
+    far apart their top eigenvalues, densities and traces are. Writes
+    results/bench/hessian_analysis.json. RUN is a trained workdir, e.g. tinyshakespeare:
+      python -m geonorm_jax train --workdir=/tmp/shk --config=configs/tiny.py:"data.source=text,\
+        data.path=data/tinyshakespeare.txt,steps=60,lr=3e-3,warmup_steps=10,checkpoint.every=20"
+
+  python experiments/bench_hessian.py --memory [--size=llama2_7b] [--num_layers=L]
+    Per-device memory of a 20-step Lanczos with the basis in the parameters' shardings,
+    lowered on abstract arrays and compiled for 8 fake CPU devices (FSDP); writes
+    results/bench/hessian_memory.json (or hessian_memory_<size>_<L>l.json with --num_layers,
+    which also compiles the same Lanczos without the shardings for comparison).
 """
 import datetime
 import json

@@ -21,7 +21,7 @@ non-finite HVP) are reported in the results via `finite` / `nonfinite_step`, and
 `check_finite` turns them into an exception eagerly.
 """
 import math
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 from jax import lax

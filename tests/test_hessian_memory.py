@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 import numpy as np
-import pytest
 
 from geonorm_jax import config as config_lib
 from geonorm_jax import hessian, hessian_analysis, train

@@ -193,7 +193,7 @@ class LanczosResult(NamedTuple):
 
 class _LanczosCarry(NamedTuple):
   """The state of `lanes` runs advancing together; per-run arrays end in a (lanes,) axis."""
-  basis: PyTree  # leaves (M + 1, lanes, ...); rows not yet computed are zero
+  basis: PyTree  # leaves (lanes, M + 1, ...); rows not yet computed are zero
   alphas: jax.Array  # (M, lanes)
   betas: jax.Array  # (M, lanes)
   num_valid: jax.Array  # (lanes,)
@@ -223,8 +223,10 @@ def _lanczos_loop(op: _Operator, v0: PyTree, num_steps: int, breakdown_tol: floa
   """
   lanes = jax.tree.leaves(v0)[0].shape[0]
   rows = jnp.arange(num_steps + 1)
+  # Lanes lead, so both basis contractions are plain batched matrix products (a lanes axis
+  # behind the step axis made XLA transpose the whole basis every step).
   basis = jax.tree.map(
-      lambda v: jnp.zeros((num_steps + 1,) + v.shape, jnp.float32).at[0].set(v), v0)
+      lambda v: jnp.zeros((lanes, num_steps + 1) + v.shape[1:], jnp.float32).at[:, 0].set(v), v0)
   init = _LanczosCarry(
       basis=_constrain(basis, op, leading_axes=2),
       alphas=jnp.zeros((num_steps, lanes), jnp.float32),
@@ -243,7 +245,7 @@ def _lanczos_loop(op: _Operator, v0: PyTree, num_steps: int, breakdown_tol: floa
 
   def step(i, carry):
     active = carry.active
-    v = jax.tree.map(lambda b: b[i], carry.basis)
+    v = jax.tree.map(lambda b: b[:, i], carry.basis)
     w = _constrain(lane_matvec(v), op, leading_axes=1)
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim)))
                                 for x in jax.tree.leaves(w)]), axis=0)
@@ -252,13 +254,13 @@ def _lanczos_loop(op: _Operator, v0: PyTree, num_steps: int, breakdown_tol: floa
     _report(progress, jnp.sum(active), alpha)
     # Full reorthogonalisation subsumes the three-term recurrence; a second pass of
     # classical Gram-Schmidt restores orthogonality to working precision.
-    previous = (rows <= i).astype(jnp.float32)[:, None]
+    previous = (rows <= i).astype(jnp.float32)[None, :]
     for _ in range(2):
       coefficients = previous * sum(
-          jnp.einsum("mp...,p...->mp", b, x, precision=_HIGHEST)
+          jnp.einsum("pm...,p...->pm", b, x, precision=_HIGHEST)
           for b, x in zip(jax.tree.leaves(carry.basis), jax.tree.leaves(w)))
       w = jax.tree.map(
-          lambda x, b: x - jnp.einsum("mp,mp...->p...", coefficients, b, precision=_HIGHEST),
+          lambda x, b: x - jnp.einsum("pm,pm...->p...", coefficients, b, precision=_HIGHEST),
           w, carry.basis)
     beta = jnp.sqrt(_lane_sum(jax.tree.map(jnp.square, w)))
     norm_estimate = jnp.maximum(carry.norm_estimate, jnp.maximum(jnp.abs(alpha), beta))
@@ -266,7 +268,7 @@ def _lanczos_loop(op: _Operator, v0: PyTree, num_steps: int, breakdown_tol: floa
     proceed = active & finite & ~broke
     scale = jnp.where(proceed, 1.0 / jnp.where(proceed, beta, 1.0), 0.0)
     basis = jax.tree.map(
-        lambda b, x: b.at[i + 1].set(x * scale.reshape((-1,) + (1,) * (x.ndim - 1))),
+        lambda b, x: b.at[:, i + 1].set(x * scale.reshape((-1,) + (1,) * (x.ndim - 1))),
         carry.basis, w)
     keep = active & finite
     return _LanczosCarry(
@@ -332,7 +334,7 @@ def _lanczos_runs(op: _Operator, v0: PyTree, num_steps: int, breakdown_tol: floa
   vectors = None
   if return_vectors:
     vectors = jax.tree.map(
-        lambda b: nan_unless_finite(jnp.einsum("pkm,kp...->pm...", evecs, b[:num_steps],
+        lambda b: nan_unless_finite(jnp.einsum("pkm,pk...->pm...", evecs, b[:, :num_steps],
                                                precision=_HIGHEST)), carry.basis)
   step_valid = (jnp.arange(num_steps)[None, :] < carry.num_valid[:, None])
   return LanczosResult(

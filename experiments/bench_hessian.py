@@ -20,12 +20,30 @@ same number of HVPs in a plain loop. When each Lanczos step sat in a lax.cond (t
 guard) that ratio was +43%: an HVP inside a cond in a fori_loop took 0.356 s against 0.265 s
 without it. hessian.lanczos now carries the guard in a while_loop's condition instead.
 
-  cd /work/main && .venv/bin/python experiments/bench_hessian.py
+  python experiments/bench_hessian.py
 
 Writes results/bench/hessian.json (numbers of every round included). About 2-3 minutes.
+
+Two more modes:
+
+  python experiments/bench_hessian.py --analysis=RUN [--num_steps=50 --num_probes=8 --rounds=3]
+    The checkpoint analysis before issue 12 (OLD_COMMIT's hessian.py and hessian_cli._analyse,
+    read from git: one jit, probes one after another, the HVP recomputed per micro-batch)
+    against hessian_analysis.Analyser with the same settings, alternating, medians; plus how
+    far apart their top eigenvalues, densities and traces are. Writes
+    results/bench/hessian_analysis.json. RUN is a trained workdir, e.g. tinyshakespeare:
+      python -m geonorm_jax train --workdir=/tmp/shk --config=configs/tiny.py:"data.source=text,\
+        data.path=data/tinyshakespeare.txt,steps=60,lr=3e-3,warmup_steps=10,checkpoint.every=20"
+
+  python experiments/bench_hessian.py --memory [--size=llama2_7b] [--num_layers=L]
+    Per-device memory of a 20-step Lanczos with the basis in the parameters' shardings,
+    lowered on abstract arrays and compiled for 8 fake CPU devices (FSDP); writes
+    results/bench/hessian_memory.json (or hessian_memory_<size>_<L>l.json with --num_layers,
+    which also compiles the same Lanczos without the shardings for comparison).
 """
 import datetime
 import json
+import math
 import os
 import pathlib
 import platform
@@ -45,6 +63,7 @@ from geonorm_jax import hessian, losses, model as model_lib
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 OUTPUT = REPO_ROOT / "results" / "bench" / "hessian.json"
+OLD_COMMIT = "1bf060e"  # the Hessian analysis before issue 12 (sequential probes, no reuse)
 NUM_STEPS = 20
 REPEATS = 5
 TARGET_HVP_OVER_GRAD = 3.5
@@ -123,5 +142,178 @@ def main():
                                            "overhead_vs_hvp_loop", "meets_targets")}, indent=2))
 
 
+def analysis_main(workdir, num_steps, num_probes, num_batches, rounds):
+  """Old (commit OLD_COMMIT) vs new default analysis of one checkpoint, alternating."""
+  import io  # pylint: disable=g-import-not-at-top
+  from geonorm_jax import hessian_analysis, train  # pylint: disable=g-import-not-at-top
+  old_hessian, old_analyse = _old_implementation()
+  del old_hessian
+  config, setup, state = train.restore_params(workdir)
+  params = state["params"]
+  _, tokens = hessian_analysis.validation_micro_batches(setup, num_batches)
+  settings = hessian_analysis.Settings(num_steps=num_steps, num_probes=num_probes,
+                                       num_batches=num_batches, top_k=min(10, num_steps))
+  analyser = hessian_analysis.Analyser(setup, settings)
+  old = jax.jit(lambda p, t, k: old_analyse(setup.graphdef, p, t, num_steps=num_steps,
+                                            num_probes=num_probes, top_k=settings.top_k, key=k))
+  log = io.StringIO()
+  calls = {
+      "old": lambda: jax.device_get(old(params, tokens, jax.random.key(0))),
+      "new": lambda: analyser.run(state, stream=log),
+  }
+  first = {name: timed_value(call) for name, call in calls.items()}  # includes compilation
+  rounds_s = {name: [] for name in calls}
+  outputs = {}
+  for _ in range(rounds):
+    for name, call in calls.items():
+      seconds, outputs[name] = timed_value(call)
+      rounds_s[name].append(seconds)
+  median = {name: statistics.median(times) for name, times in rounds_s.items()}
+  old_out, new_out = outputs["old"], outputs["new"]
+  old_top = np.asarray(old_out["top"], np.float64)
+  new_top = np.asarray(new_out["lanczos"]["top_eigenvalues"], np.float64)
+  bounds = np.asarray(new_out["lanczos"]["residual_bounds"], np.float64)
+  old_grid = np.asarray(old_out["density"].grid, np.float64)
+  old_density = np.asarray(old_out["density"].density, np.float64)
+  new_on_old_grid = np.interp(old_grid, new_out["density"]["grid"], new_out["density"]["values"],
+                              left=0.0, right=0.0)
+  old_trace = old_out["hutchinson"]
+  result = {
+      "date": datetime.datetime.now().isoformat(timespec="seconds"),
+      "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                  "jax": jax.__version__, "loadavg_1min": os.getloadavg()[0]},
+      "checkpoint": {"workdir": workdir, "step": int(state["step"]),
+                     "num_params": new_out["num_params"], "num_tokens": new_out["num_tokens"],
+                     "placement": config.model.placement},
+      "old": f"commit {OLD_COMMIT}: one jit, Lanczos + SLQ (lax.map) + Hutchinson, the HVP "
+             "recomputed per micro-batch",
+      "new": "hessian_analysis.Analyser: linearized HVP, top run reused as a probe, trace "
+             "from the density's probes, lanes " + str(settings.lanes_for(num_probes - 1)),
+      "settings": {"num_steps": num_steps, "num_probes": num_probes, "num_batches": num_batches},
+      "products": {"old": num_steps + num_probes * num_steps + num_probes,
+                   "new": sum(new_out["products"].values())},
+      "rounds": rounds, "rounds_s": rounds_s, "median_s": median,
+      "first_call_s_incl_compile": {name: value[0] for name, value in first.items()},
+      "speedup": median["old"] / median["new"],
+      "speedup_incl_compile": first["old"][0] / first["new"][0],
+      "new_seconds_per_stage_last_round": new_out["seconds"],
+      "top_eigenvalues": {"old": old_top.tolist(), "new": new_top.tolist(),
+                          "new_residual_bounds": bounds.tolist(),
+                          "max_rel_diff_top3": float(np.max(np.abs(old_top[:3] - new_top[:3])
+                                                            / np.abs(old_top[:3])))},
+      "density_l1_old_vs_new": float(np.trapezoid(np.abs(old_density - new_on_old_grid), old_grid)),
+      "trace": {"old_hutchinson": [float(old_trace.estimate), float(old_trace.stderr)],
+                "old_slq": [float(old_out["density"].trace), float(old_out["density"].trace_stderr)],
+                "new": [new_out["trace"]["estimate"], new_out["trace"]["stderr"]]},
+  }
+  result["trace"]["new_minus_old_hutchinson_in_combined_stderr"] = abs(
+      result["trace"]["new"][0] - result["trace"]["old_hutchinson"][0]) / math.hypot(
+          result["trace"]["new"][1], result["trace"]["old_hutchinson"][1])
+  path = REPO_ROOT / "results" / "bench" / "hessian_analysis.json"
+  with open(path, "w") as f:
+    json.dump(result, f, indent=2)
+  print(json.dumps({k: result[k] for k in ("products", "median_s", "speedup",
+                                           "top_eigenvalues", "density_l1_old_vs_new",
+                                           "trace")}, indent=2))
+
+
+MEMORY_STEPS = 20
+
+
+def lanczos_memory(size, num_layers=0, fsdp=8, hvp="recomputed", sharded_basis=True):
+  """Per-device memory of a MEMORY_STEPS-step Lanczos on the Hessian of `size`, from
+  jax.jit(...).lower(abstract arrays).compile().memory_analysis() on an FSDP mesh."""
+  from geonorm_jax import hessian_analysis, train  # pylint: disable=g-import-not-at-top
+  overrides = [size, f"mesh.data=1,mesh.fsdp={fsdp},data.batch_size={fsdp},data.seq_len=128"]
+  if num_layers:
+    overrides.append(f"num_layers={num_layers}")
+  config = config_lib.get_config(",".join(overrides))
+  setup = train.make_setup(config, devices=jax.devices()[:fsdp])
+  params = train.sharded_abstract_state(setup)["params"]
+  tokens = jax.ShapeDtypeStruct((1, config.data.batch_size, config.data.seq_len + 1), jnp.int32,
+                                sharding=setup.batch_sharding)
+  settings = hessian_analysis.Settings(num_steps=MEMORY_STEPS, hvp=hvp, top_k=1)
+  analyser = hessian_analysis.Analyser(setup, settings)
+  shardings = setup.state_shardings["params"] if sharded_basis else None
+  run = jax.jit(lambda p, t, k: hessian.lanczos(analyser._matvec(p, t), p, MEMORY_STEPS, k,  # pylint: disable=protected-access
+                                                shardings=shardings).ritz_values)
+  started = time.perf_counter()
+  compiled = run.lower(params, tokens, jax.random.key(0)).compile()
+  compile_s = time.perf_counter() - started
+  memory = compiled.memory_analysis()
+  num_params = model_lib.count_params(params)
+  fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+            "alias_size_in_bytes", "generated_code_size_in_bytes")
+  per_device = {f: int(getattr(memory, f)) for f in fields}
+  basis_bytes = (MEMORY_STEPS + 1) * num_params * 4
+  return {
+      "size": size, "num_layers": config.model.num_layers, "num_params": num_params,
+      "mesh": {"fsdp": fsdp}, "hvp": hvp, "basis_sharded": sharded_basis,
+      "per_device_bytes": per_device,
+      "per_device_gib": {f: v / 2**30 for f, v in per_device.items()},
+      "basis_gib_replicated": basis_bytes / 2**30,
+      "basis_gib_per_device_if_sharded": basis_bytes / fsdp / 2**30,
+      "compile_s": compile_s,
+  }
+
+
+def memory_main(size, num_layers):
+  result = {
+      "date": datetime.datetime.now().isoformat(timespec="seconds"),
+      "what": f"{MEMORY_STEPS}-step Lanczos (hessian_estimators.lanczos with the parameters' "
+              "shardings), HVP recomputed per micro-batch, batch 8 x 128, lowered on abstract "
+              "arrays and compiled for 8 fake CPU devices (FSDP)",
+      "jax": jax.__version__,
+      "runs": [lanczos_memory(size, num_layers)],
+  }
+  if num_layers:  # small enough to compile twice: the same Lanczos without the shardings
+    result["runs"].append(lanczos_memory(size, num_layers, sharded_basis=False))
+  name = "hessian_memory.json" if not num_layers else f"hessian_memory_{size}_{num_layers}l.json"
+  with open(REPO_ROOT / "results" / "bench" / name, "w") as f:
+    json.dump(result, f, indent=2)
+  print(json.dumps(result, indent=2))
+
+
+def timed_value(fn):
+  started = time.perf_counter()
+  value = jax.block_until_ready(fn())
+  return time.perf_counter() - started, value
+
+
+def _old_implementation():
+  """hessian.py and the CLI's `_analyse` as they were at OLD_COMMIT, read from git."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  show = lambda path: subprocess.run(["git", "show", f"{OLD_COMMIT}:{path}"], cwd=REPO_ROOT,
+                                     check=True, capture_output=True, text=True).stdout
+  old_hessian = types.ModuleType("old_hessian")
+  exec(compile(show("geonorm_jax/hessian.py"), "old_hessian.py", "exec"), old_hessian.__dict__)  # pylint: disable=exec-used
+  cli_source = show("geonorm_jax/hessian_cli.py").replace(
+      "from geonorm_jax import hessian, losses, train", "from geonorm_jax import losses, train")
+  namespace = {"hessian": old_hessian}
+  exec(compile(cli_source, "old_hessian_cli.py", "exec"), namespace)  # pylint: disable=exec-used
+  return old_hessian, namespace["_analyse"]
+
+
 if __name__ == "__main__":
-  main()
+  import argparse  # pylint: disable=g-import-not-at-top
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--analysis", metavar="WORKDIR",
+                      help="old vs new analysis of WORKDIR's latest checkpoint")
+  parser.add_argument("--memory", action="store_true",
+                      help="per-device memory of a sharded Lanczos (results/bench/hessian_memory.json)")
+  parser.add_argument("--num_steps", type=int, default=50)
+  parser.add_argument("--num_probes", type=int, default=8)
+  parser.add_argument("--num_batches", type=int, default=4)
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--size", default="llama2_7b")
+  parser.add_argument("--num_layers", type=int, default=0, help="--memory: override the size's "
+                      "depth (0: keep it)")
+  args = parser.parse_args()
+  if args.analysis:
+    analysis_main(args.analysis, args.num_steps, args.num_probes, args.num_batches, args.rounds)
+  elif args.memory:
+    jax.config.update("jax_num_cpu_devices", 8)
+    memory_main(args.size, args.num_layers)
+  else:
+    main()

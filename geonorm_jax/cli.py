@@ -12,7 +12,10 @@ Commands:
            given (e.g. to evaluate on other data), else the run's saved config.json.
   sample   Generate text from a checkpoint: --prompt, --num_tokens, --temperature, --top_k,
            --seed, --step. Reads the run's config.json; prints the decoded text.
-  hessian  Hessian spectrum of a checkpoint (geonorm_jax.hessian_cli; --step).
+  hessian  Hessian spectrum of checkpoints (geonorm_jax.hessian_cli): prints its cost, then
+           a progress bar. --step=S|latest|all (--every=K), several --workdir to
+           compare runs (figures in --out), --estimates=top,density,trace,precond,
+           --lanczos_steps, --probes, --lanes, --batches, --eigenvalues, --hvp, --seed.
   main     The README's main job: GeoNorm (harmonic) vs Pre-LN on the built-in corpus,
            tiny model, both runs under --workdir, then loss_curves.png, summary.md and a
            sample from the better run.
@@ -24,6 +27,7 @@ Examples:
   python -m geonorm_jax train --config=configs/tiny.py:placement=geonorm --workdir=/tmp/geo \\
       --config.train.steps=100
   python -m geonorm_jax sample --workdir=/tmp/tiny --prompt="The " --num_tokens=200
+  python -m geonorm_jax hessian --workdir=/tmp/tiny --workdir=/tmp/geo --step=all
   python -m geonorm_jax main --workdir=runs/main
   python -m geonorm_jax prepare --input='corpus/*.jsonl' --output_dir=data/my_corpus
 
@@ -47,15 +51,30 @@ COMMANDS = ("train", "eval", "sample", "hessian", "main", "prepare")
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, `configs/FILE.py` or `configs/FILE.py:ARG`; override keys "
     "with --config.SECTION.KEY=VALUE.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, config.")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step to resume (train) or to read "
-                             "(eval/sample/hessian); default the newest readable one.")
+_WORKDIR = flags.DEFINE_multi_string("workdir", None, "Run directory: checkpoints, metrics, "
+                                     "config. hessian accepts several.")
+_STEP = flags.DEFINE_string("step", None, "Checkpoint step for eval/sample/hessian; default the "
+                            "latest. hessian also takes `all`.")
 _PROMPT = flags.DEFINE_string("prompt", "The ", "sample: text to continue.")
 _NUM_TOKENS = flags.DEFINE_integer("num_tokens", None, "sample: tokens to generate; "
                                    "default config.train.sample_tokens.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "sample: softmax temperature; 0 = greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "sample: keep only the k likeliest tokens; 0 = all.")
-_SEED = flags.DEFINE_integer("seed", 0, "sample: random seed.")
+_SEED = flags.DEFINE_integer("seed", 0, "sample, hessian: random seed.")
+_EVERY = flags.DEFINE_integer("every", 1, "hessian --step=all: every K-th checkpoint (and the last).")
+_ESTIMATES = flags.DEFINE_string("estimates", "top,density,trace", "hessian: which of "
+                                 "top,density,trace,precond to compute.")
+_LANCZOS_STEPS = flags.DEFINE_integer("lanczos_steps", 50, "hessian: Lanczos steps (top run "
+                                      "and every density probe).")
+_PROBES = flags.DEFINE_integer("probes", 8, "hessian: density/trace probes (the top run counts).")
+_LANES = flags.DEFINE_integer("lanes", 0, "hessian: probes per compiled call; 0 = one on CPU, "
+                              "all on accelerators.")
+_BATCHES = flags.DEFINE_integer("batches", 4, "hessian: validation batches in the loss.")
+_EIGENVALUES = flags.DEFINE_integer("eigenvalues", 10, "hessian: how many top eigenvalues.")
+_HVP = flags.DEFINE_enum("hvp", "linearized", ["linearized", "recomputed"], "hessian: linearize "
+                         "the gradient once (fast) or recompute it per product (less memory).")
+_OUT = flags.DEFINE_string("out", None, "hessian with several --workdir: where the comparison "
+                           "figures go; default hessian_compare/ next to the runs.")
 flags.adopt_module_key_flags(prepare)  # --help lists them with the others
 
 
@@ -96,7 +115,19 @@ def _config_value():
 def _require_workdir():
   if not _WORKDIR.value:
     raise CommandError("--workdir is required")
-  return _WORKDIR.value
+  if len(_WORKDIR.value) > 1:
+    raise CommandError("give one --workdir (only `hessian` compares several runs)")
+  return _WORKDIR.value[0]
+
+
+def _step():
+  """--step as an int (None: the latest), for the commands that read one checkpoint."""
+  if _STEP.value in (None, "latest"):
+    return None
+  try:
+    return int(_STEP.value)
+  except ValueError:
+    raise CommandError(f"--step={_STEP.value!r} must be an integer") from None
 
 
 def _require_config(command):
@@ -125,7 +156,7 @@ def run_train():
   workdir = _require_workdir()
   _validate(config)
   try:
-    summary = train.train(config, workdir, step=_STEP.value)
+    summary = train.train(config, workdir, step=_step())
   except train.DivergenceError:
     raise
   except ValueError as e:  # a checkpoint written with another config
@@ -144,7 +175,7 @@ def run_eval():
   if config is not None:
     _validate(config)
   try:
-    result = train.evaluate(config, workdir, step=_STEP.value)
+    result = train.evaluate(config, workdir, step=_step())
   except (FileNotFoundError, ValueError) as e:  # not a run folder, no checkpoint, other model
     raise CommandError(str(e)) from None
   _print_json(result)
@@ -154,7 +185,7 @@ def run_sample():
   from geonorm_jax import sample, train  # pylint: disable=g-import-not-at-top
   workdir = _require_workdir()
   try:
-    config, model = train.load_model(workdir, step=_STEP.value)
+    config, model = train.load_model(workdir, step=_step())
   except (FileNotFoundError, ValueError) as e:  # not a run folder, no checkpoint, other model
     raise CommandError(str(e)) from None
   num_tokens = config.train.sample_tokens if _NUM_TOKENS.value is None else _NUM_TOKENS.value
@@ -168,13 +199,20 @@ def run_sample():
 
 
 def run_hessian():
-  from geonorm_jax import hessian_cli  # pylint: disable=g-import-not-at-top
+  from geonorm_jax import hessian_analysis, hessian_cli  # pylint: disable=g-import-not-at-top
+  if not _WORKDIR.value:
+    raise CommandError("--workdir is required")
   try:
-    result = hessian_cli.run(_require_workdir(), _STEP.value)
-  except (ValueError, FileNotFoundError) as e:  # a bad workdir/step, or a non-finite HVP
+    settings = hessian_analysis.Settings(
+        estimates=tuple(e.strip() for e in _ESTIMATES.value.split(",") if e.strip()),
+        num_steps=_LANCZOS_STEPS.value, num_probes=_PROBES.value, lanes=_LANES.value,
+        num_batches=_BATCHES.value, top_k=_EIGENVALUES.value, hvp=_HVP.value,
+        seed=_SEED.value).validate()
+    result = hessian_cli.run(_WORKDIR.value, _STEP.value, every=_EVERY.value,
+                             settings=settings, out=_OUT.value)
+  except (ValueError, FileNotFoundError) as e:  # a bad flag, workdir or step; a non-finite HVP
     raise CommandError(str(e)) from None
-  if result is not None:
-    _print_json(result)
+  _print_json(result)
 
 
 def run_main():

@@ -23,11 +23,16 @@ as in the train step). The learning rate is the one of the next update, schedule
 decoupled weight decay are not part of P: both act on the update, not on the curvature
 seen by Adam's preconditioner. Per-parameter LR multipliers are: the effective
 preconditioner of a parameter with multiplier m is P / m.
+
+With `train.progress_bar`, each call first logs its cost (Hessian-vector products per
+estimate) and then plain progress lines with an ETA (hessian_progress), on stderr like the
+training bar.
 """
 import jax
 import jax.numpy as jnp
 
 from geonorm_jax import hessian, losses, optim
+from geonorm_jax.hessian_progress import HessianProgress, Stage
 
 
 def block_select(index):
@@ -57,9 +62,17 @@ def make_hessian_logger(setup, seed=0):
   b1 = float(train_config.b1)
   micro_loss = losses.params_loss(setup.graphdef)
   base_key = jax.random.key(seed)
+  stages = [Stage("lambda_max", f"Lanczos, {num_steps} steps", num_steps),
+            Stage("precond", f"Lanczos on P^-1/2 H P^-1/2, {num_steps} steps", num_steps)]
+  if per_block:
+    stages.append(Stage("blocks", f"Lanczos per block, {num_layers} x {num_steps} steps",
+                        num_layers * num_steps))
+  show = bool(train_config.progress_bar) and jax.process_index() == 0
+  current = {"progress": None}
+  report = lambda count: current["progress"] and current["progress"](count)
 
   def lanczos_top(matvec, like, key):
-    result = hessian.lanczos(matvec, like, num_steps, key)
+    result = hessian.lanczos(matvec, like, num_steps, key, progress=report)
     return result.ritz_values[0], result.residual_bounds[0], result.ritz_values[-1]
 
   def compute(state, tokens_AxBxL1, step):
@@ -90,7 +103,15 @@ def make_hessian_logger(setup, seed=0):
   compiled = jax.jit(compute)
 
   def log(state, tokens_AxBxL1, step):
-    values = jax.device_get(compiled(state, tokens_AxBxL1, jnp.asarray(step, jnp.int32)))
+    progress = HessianProgress(stages, f"Hessian log at step {step}", enabled=show, redraw=False)
+    current["progress"] = progress
+    progress.start()
+    try:
+      values = jax.device_get(compiled(state, tokens_AxBxL1, jnp.asarray(step, jnp.int32)))
+      jax.effects_barrier()  # every progress callback has run before the bar closes
+    finally:
+      progress.close()
+      current["progress"] = None
     return {name: float(value) for name, value in values.items()}
 
   return log

@@ -1,161 +1,172 @@
-"""`python -m geonorm_jax hessian --workdir=RUN [--step=S]`: the Hessian spectrum of a checkpoint.
+"""`python -m geonorm_jax hessian --workdir=RUN [--workdir=RUN2 ...] [--step=S|all] [--every=K]`.
 
-Loads the checkpoint (train.restore_params), takes the first `num_batches` of the run's
-fixed validation batches, and analyses the Hessian of the token-weighted mean validation
-loss over them w.r.t. all parameters:
+For each run and each chosen checkpoint (default the latest; `all`: every checkpoint, or
+every K-th with `--every=K`), runs hessian_analysis (cost printed first, then a progress
+bar) and writes into RUN/hessian/:
 
-  * Lanczos (full reorthogonalisation, `num_steps`): the top-k eigenvalues with their
-    residual bounds, and the most negative one;
-  * stochastic Lanczos quadrature (`num_probes` Rademacher probes): the spectral density
-    on a grid covering [lambda_min, lambda_max] found above, and its trace estimate;
-  * Hutchinson's trace estimate with its standard error (a second, independent one).
+  step_<S>.json   every number of that checkpoint (settings, products, seconds included);
+                  written once as soon as the top eigenvalues exist, then completed
+  step_<S>.png    the SLQ density, titled with model, placement, step, parameters, tokens
+                  and estimator settings
+  spectra.csv     one row per analysed checkpoint (hessian_report.COLUMNS)
+  spectra.png     top eigenvalues with 2/lr (and the preconditioned lambda_max with the
+                  Adam threshold when `precond` is computed), traces below, over steps
 
-Writes workdir/hessian/step_<S>.json and step_<S>.png (density, log-scale y) and returns
-a short summary. All micro-batches of all chosen batches have the same shape, so their
-HVPs are accumulated by one `lax.scan` weighted by token count (the Hessian of the mean
-over all tokens, as `hessian.multi_batch_matvec` computes it); unlike that function's
-Python loop, the scan compiles the model's HVP once instead of once per batch, which on a
-CPU is most of this command's run time.
+A rerun skips checkpoints whose step_<S>.json already holds every requested estimate with
+the same settings, so an interrupted loop resumes where it stopped. With several runs the
+overlay figures go to `out` (default: hessian_compare/ next to the runs): densities.png
+(each run's latest analysed density) and spectra.png (all runs' curves), labelled by
+placement.
 """
-import json
 import os
+import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from geonorm_jax import hessian, losses, train
-from geonorm_jax import model as model_lib
-
-GRID_POINTS = 2048
-# Gaussian width of the SLQ density, as a fraction of the spectrum's span: 10 grid
-# spacings, so the trapezoid integral is exact to ~1e-6 and outliers stay resolved.
-SIGMA_FRACTION = 0.005
+from geonorm_jax import checkpoint as checkpoint_lib
+from geonorm_jax import hessian_report as report_lib
+from geonorm_jax import train
+from geonorm_jax.hessian_analysis import Analyser, Settings
 
 
-def _stacked_micro_batches(setup, num_batches):
-  """(number of batches used, the first num_batches validation batches as one (K, b, L+1)
-  array of micro-batches)."""
-  if num_batches < 1:
-    raise ValueError(f"num_batches must be >= 1, got {num_batches}")
-  batches = train.eval_batches(setup)
-  if not batches:
-    raise ValueError("the run's config gives no validation batches (train.eval_batches=0)")
-  chosen = [np.asarray(jax.device_get(b)) for b in batches[:num_batches]]
-  stacked = np.concatenate(chosen, axis=0)  # each is (A, b, L+1): micro-batches stack
-  return len(chosen), jnp.asarray(stacked, jnp.int32)
+def parse_steps(text):
+  """--step: None / "latest", "all", or an integer."""
+  if text in (None, "", "latest"):
+    return "latest"
+  if text == "all":
+    return "all"
+  try:
+    return int(text)
+  except ValueError:
+    raise ValueError(f"--step={text!r}: give a checkpoint step, `latest` or `all`") from None
 
 
-def _analyse(graphdef, params, tokens_KxBxL1, *, num_steps, num_probes, top_k, key):
-  """Everything in one jitted function: Lanczos, then SLQ on a grid from its range."""
-  micro_loss = losses.params_loss(graphdef)
-  # lm_loss has no mask, so every micro-batch predicts b * L tokens: the token-weighted mean
-  # is the equal-weighted one.
-  matvec = hessian.accumulated_matvec(
-      lambda t: hessian.params_matvec(micro_loss, params, t), tokens_KxBxL1)
-  lanczos_key, slq_key, hutch_key = jax.random.split(key, 3)
-  result = hessian.lanczos(matvec, params, num_steps, lanczos_key)
-  top, bottom = result.ritz_values[0], result.ritz_values[-1]
-  span = jnp.maximum(top - bottom, 1e-6 * jnp.maximum(jnp.abs(top), 1.0))
-  sigma = SIGMA_FRACTION * span
-  # 10 sigma of margin: the Gaussians at the extreme nodes integrate to 1 on the grid.
-  grid = jnp.linspace(bottom - 10 * sigma, top + 10 * sigma, GRID_POINTS)
-  density = hessian.spectral_density(matvec, params, num_steps, num_probes, slq_key, grid,
-                                     sigma)
-  trace = hessian.hutchinson_trace(matvec, params, num_probes, hutch_key)
-  loss = jnp.mean(jax.vmap(lambda t: micro_loss(params, t))(tokens_KxBxL1))
-  return {
-      "top": result.ritz_values[:top_k], "top_bounds": result.residual_bounds[:top_k],
-      "top_valid": result.valid[:top_k], "lambda_min": bottom,
-      "lambda_min_bound": result.residual_bounds[-1], "lanczos": result,
-      "density": density, "sigma": sigma, "hutchinson": trace, "loss": loss,
-  }
+def _checkpoint_steps(workdir, config):
+  ckpt = checkpoint_lib.Checkpointer(workdir, config.checkpoint)
+  try:
+    return ckpt.all_steps()
+  finally:
+    ckpt.close()
 
 
-def _floats(x):
-  return [float(v) for v in np.asarray(x).ravel()]
+def choose_steps(available, steps, every):
+  if not available:
+    raise FileNotFoundError("no checkpoint in this run")
+  if steps == "latest":
+    return [available[-1]]
+  if steps == "all":
+    chosen = available[::every]
+    if available[-1] not in chosen:
+      chosen.append(available[-1])  # the end of training is always worth a look
+    return chosen
+  if steps not in available:
+    raise FileNotFoundError(f"no checkpoint at step {steps}; available: {available}")
+  return [steps]
 
 
-def _plot(path, grid, density, top, bottom, title):
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
-  grid, density = np.asarray(grid), np.asarray(density)
-  positive = density[density > 0]
-  # A log axis spans the Gaussian tails down to ~1e-300; 1e-8 of the peak is the
-  # range a reader can use (bulk vs outliers) without the plot being all tails.
-  floor = max(float(positive.min()) if positive.size else 1e-12, 1e-8 * float(density.max()))
-  fig, ax = plt.subplots(figsize=(7, 4))
-  ax.semilogy(grid, np.maximum(density, floor), lw=1.2)
-  ax.set_ylim(bottom=floor)
-  for value, label in ((top, "lambda_max"), (bottom, "lambda_min")):
-    ax.axvline(value, color="gray", ls=":", lw=1)
-    ax.annotate(f"{label}={value:.4g}", (value, density.max()), fontsize=8, rotation=90,
-                va="top", ha="right")
-  ax.set_xlabel("eigenvalue")
-  ax.set_ylabel("density (SLQ)")
-  ax.set_title(title, fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
+def _label(config, workdir):
+  return f"{config.model.placement} ({os.path.basename(os.path.normpath(workdir))})"
 
 
-def run(workdir, step=None, num_steps=50, num_probes=8, num_batches=4, top_k=10, seed=0):
-  """Analyse a checkpoint of `workdir` (default: the latest); returns a summary dict."""
-  config, setup, state = train.restore_params(workdir, step)
-  step = int(state["step"])
-  params = state["params"]
-  num_params = model_lib.count_params(params)
-  if not 1 <= top_k <= num_steps:
-    raise ValueError(f"need 1 <= top_k <= num_steps, got top_k={top_k}, num_steps={num_steps}")
-  used_batches, tokens_KxBxL1 = _stacked_micro_batches(setup, num_batches)
-  analyse = jax.jit(lambda p, t, k: _analyse(setup.graphdef, p, t, num_steps=num_steps,
-                                             num_probes=num_probes, top_k=top_k, key=k))
-  out = jax.device_get(analyse(params, tokens_KxBxL1, jax.random.key(seed)))
-  for name in ("lanczos", "density", "hutchinson"):
-    hessian.check_finite(out[name])  # a clear error instead of a NaN-filled report
-
-  density = out["density"]
-  grid, values = np.asarray(density.grid, np.float64), np.asarray(density.density, np.float64)
-  num_tokens = int(tokens_KxBxL1.shape[0] * tokens_KxBxL1.shape[1] * (tokens_KxBxL1.shape[2] - 1))
-  lanczos = out["lanczos"]
-  valid = np.asarray(out["top_valid"])
-  report = {
-      "workdir": os.path.abspath(workdir), "step": step, "num_params": num_params,
-      "placement": config.model.placement, "num_batches": used_batches,
-      "num_tokens": num_tokens, "num_steps": num_steps, "num_probes": num_probes,
-      "seed": seed, "val_loss": float(out["loss"]),
-      "lanczos": {
-          "top_eigenvalues": _floats(np.asarray(out["top"])[valid]),
-          "residual_bounds": _floats(np.asarray(out["top_bounds"])[valid]),
-          "lambda_min": float(out["lambda_min"]),
-          "lambda_min_residual_bound": float(out["lambda_min_bound"]),
-          "num_valid_steps": int(lanczos.num_valid_steps),
-          "breakdown": bool(lanczos.breakdown),
-      },
-      "density": {
-          "grid": _floats(grid), "values": _floats(values), "sigma": float(out["sigma"]),
-          "integral": float(np.trapezoid(values, grid)),
-      },
-      "trace": {
-          "slq": {"estimate": float(density.trace), "stderr": float(density.trace_stderr)},
-          "hutchinson": {"estimate": float(out["hutchinson"].estimate),
-                         "stderr": float(out["hutchinson"].stderr)},
-      },
-  }
+def analyse_run(workdir, steps, every, settings, *, stream=None, progress=True):
+  """Analyse the chosen checkpoints of one run; returns (config, rows, reports by step)."""
+  config = train._config_from_workdir(workdir)  # pylint: disable=protected-access
+  chosen = choose_steps(_checkpoint_steps(workdir, config), steps, every)
   out_dir = os.path.join(workdir, "hessian")
   os.makedirs(out_dir, exist_ok=True)
-  json_path = os.path.join(out_dir, f"step_{step}.json")
-  png_path = os.path.join(out_dir, f"step_{step}.png")
-  with open(json_path, "w") as f:
-    json.dump(report, f, indent=1)
-  top = report["lanczos"]["top_eigenvalues"][0]
-  _plot(png_path, grid, values, top, report["lanczos"]["lambda_min"],
-        f"{config.model.placement}, step {step}: Hessian of the validation loss "
-        f"({num_params:,} params, {num_tokens:,} tokens)")
-  return {
-      "step": step, "lambda_max": top, "lambda_max_residual_bound":
-      report["lanczos"]["residual_bounds"][0], "lambda_min": report["lanczos"]["lambda_min"],
-      "trace_hutchinson": report["trace"]["hutchinson"], "json": json_path, "png": png_path,
-  }
+  settings_dict = settings.as_dict()
+  analyser = None
+  stream = sys.stderr if stream is None else stream
+  for number, step in enumerate(chosen):
+    path = report_lib.step_json_path(out_dir, step)
+    if os.path.exists(path) and report_lib.is_complete(report_lib.read_json(path), settings_dict):
+      stream.write(f"{workdir}: step {step} already analysed ({path}), skipped\n")
+      continue
+    _, setup, state = train.restore_params(workdir, step, config)
+    if analyser is None:  # compiled once per run, reused for every checkpoint
+      analyser = Analyser(setup, settings)
+    header = f"[{number + 1}/{len(chosen)}] {workdir}: Hessian of the validation loss"
+    write = lambda partial, p=path: report_lib.write_json(p, _with_run(partial, workdir, config))
+    report = analyser.run(state, header=header, stream=stream, enabled=progress, on_top=write)
+    report = _with_run(report, workdir, config)
+    report_lib.write_json(path, report)
+    if "density" in report:
+      report_lib.plot_density(os.path.join(out_dir, f"step_{step}.png"), report,
+                              f"{report_lib.model_description(config, report['num_params'])}, "
+                              f"step {step} ({report['tokens_trained']:,} tokens trained)")
+  reports = {}
+  for step in _analysed_steps(out_dir):
+    stored = report_lib.read_json(report_lib.step_json_path(out_dir, step))
+    if stored.get("settings") == settings_dict:
+      reports[step] = stored
+  rows = [report_lib.table_row(r) for _, r in sorted(reports.items())]
+  report_lib.write_table(os.path.join(out_dir, report_lib.TABLE), rows)
+  if rows:
+    num_params = next(iter(reports.values()))["num_params"]
+    report_lib.plot_over_steps(os.path.join(out_dir, report_lib.FIGURE), [(_label(config, workdir), rows)],
+                               f"{report_lib.model_description(config, num_params)}: Hessian of "
+                               f"the validation loss over training ({_settings_line(settings)})")
+  return config, rows, reports, chosen
+
+
+def _analysed_steps(out_dir):
+  steps = []
+  for name in os.listdir(out_dir):
+    if name.startswith("step_") and name.endswith(".json"):
+      try:
+        steps.append(int(name[len("step_"):-len(".json")]))
+      except ValueError:
+        pass
+  return sorted(steps)
+
+
+def _settings_line(settings):
+  return (f"Lanczos {settings.num_steps} steps, {settings.num_probes} probes, "
+          f"{settings.num_batches} val batches")
+
+
+def _with_run(report, workdir, config):
+  return {"workdir": os.path.abspath(workdir), "placement": config.model.placement,
+          "model": {"backbone": config.model.backbone, "num_layers": config.model.num_layers,
+                    "d_model": config.model.d_model}, **report}
+
+
+def run(workdirs, step=None, every=1, settings=None, out=None, stream=None, progress=True):
+  """Analyse every run in `workdirs` (a path or a list); returns a summary dict."""
+  workdirs = [workdirs] if isinstance(workdirs, str) else list(workdirs)
+  if not workdirs:
+    raise ValueError("give at least one --workdir")
+  settings = (settings or Settings()).validate()
+  steps = parse_steps(step) if not isinstance(step, int) else step
+  if not isinstance(every, int) or every < 1:
+    raise ValueError(f"--every={every!r} must be a positive integer")
+  for workdir in workdirs:  # every run checked before any is analysed
+    train._config_from_workdir(workdir)  # pylint: disable=protected-access
+  summary = {"runs": []}
+  overlay_curves, overlay_densities = [], []
+  for workdir in workdirs:
+    config, rows, reports, chosen = analyse_run(workdir, steps, every, settings, stream=stream,
+                                                progress=progress)
+    out_dir = os.path.join(workdir, "hessian")
+    latest = reports[max(chosen)] if max(chosen) in reports else None
+    summary["runs"].append({
+        "workdir": workdir, "placement": config.model.placement, "steps": chosen,
+        "table": os.path.join(out_dir, report_lib.TABLE),
+        "figure": os.path.join(out_dir, report_lib.FIGURE),
+        "json": [report_lib.step_json_path(out_dir, s) for s in chosen],
+        "lambda_max": latest["lanczos"]["top_eigenvalues"][0]
+                      if latest and "lanczos" in latest else None,
+        "trace": latest.get("trace") if latest else None,
+    })
+    overlay_curves.append((_label(config, workdir), rows))
+    if latest is not None and "density" in latest:
+      overlay_densities.append((_label(config, workdir), latest))
+  if len(workdirs) > 1:
+    out = out or os.path.join(os.path.commonpath([os.path.abspath(w) for w in workdirs]),
+                              "hessian_compare")
+    os.makedirs(out, exist_ok=True)
+    title = f"{len(workdirs)} runs: Hessian of the validation loss ({_settings_line(settings)})"
+    report_lib.plot_over_steps(os.path.join(out, "spectra.png"), overlay_curves, title)
+    if overlay_densities:
+      report_lib.plot_density_overlay(os.path.join(out, "densities.png"), overlay_densities,
+                                      title)
+    summary["compare"] = out
+  return summary

@@ -13,7 +13,9 @@ Recipe: nanoGPT's GPT-2 reproduction (AdamW 0.9/0.95, lr 6e-4 cosine to 6e-5, 20
 steps, wd 0.1, clip 1.0, ~0.5M tokens per step = 480 x 1024, 600k steps). Use
 --config.train.grad_accum=K when the batch does not fit; on accelerators set
 --config.model.dtype=bfloat16.
-Expected result: see README/results.
+Runtime: an accelerator job (a 2-core CPU cannot train it).
+Expected result: nanoGPT reaches about 2.85 validation loss on OpenWebText at 124M (its README;
+not measured here).
 """
 from geonorm_jax import config as config_lib
 

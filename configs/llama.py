@@ -14,7 +14,9 @@ Recipe: the LLaMA-2 paper's (AdamW 0.9/0.95, eps 1e-5, lr 3e-4 cosine to 3e-5, 2
 steps, wd 0.1, clip 1.0, 4M tokens per step = 1024 x 4096); the number of steps is yours to
 choose (--config.train.steps). Set --config.train.grad_accum, --config.mesh.fsdp and
 --config.model.dtype=bfloat16 for the hardware.
-Expected result: see README/results.
+Runtime: an accelerator job (a 2-core CPU cannot train it).
+Expected result: not measured here (needs an accelerator pod); SimpleGPT reports 2.208
+(SimpleNorm) vs 2.290 (LLaMA2 + QK-norm) training loss at 7B, 60K steps.
 """
 from geonorm_jax import config as config_lib
 

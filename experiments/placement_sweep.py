@@ -9,9 +9,7 @@ Writes results/placement_sweep/{results.csv, table.md, config.json}: validation 
 sample std over seeds) and the collapse diagnostics at the last check, per variant x tie x LR.
 """
 import argparse
-import json
 import os
-import time
 
 from geonorm_jax import sweep
 
@@ -50,12 +48,9 @@ def main():
                  f"{s['std']:.3f} | {cosine[key]['mean']:.3f} | {spread[key]['mean']:.3f} |")
   with open(os.path.join(args.out, "table.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
-  with open(os.path.join(args.out, "config.json"), "w") as f:
-    json.dump({"config_file": CONFIG_FILE, "steps": args.steps, "lrs": args.lrs,
-               "ties": args.ties, "seeds": args.seeds,
-               "variants": {v: sweep.PLACEMENT_VARIANTS[v] for v in args.variants.split(",")},
-               "machine": sweep.machine_description(), "date": time.strftime("%Y-%m-%d")},
-              f, indent=2)
+  sweep.write_config(os.path.join(args.out, "config.json"), config_file=CONFIG_FILE,
+                     steps=args.steps, lrs=args.lrs, ties=args.ties, seeds=args.seeds,
+                     variants={v: sweep.PLACEMENT_VARIANTS[v] for v in args.variants.split(",")})
   print("\n".join(lines))
 
 

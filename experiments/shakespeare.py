@@ -10,9 +10,7 @@ variant (mean, sample std, min-max over seeds) against the target of 2.5, and th
 diagnostics of the last check.
 """
 import argparse
-import json
 import os
-import time
 
 from geonorm_jax import sweep
 
@@ -55,11 +53,9 @@ def main():
                  f"{s['min']:.3f}-{s['max']:.3f} | {below} | {cosine[variant]['mean']:.3f} |")
   with open(os.path.join(args.out, "table.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
-  with open(os.path.join(args.out, "config.json"), "w") as f:
-    json.dump({"config_file": CONFIG_FILE, "extra": args.extra, "seeds": args.seeds,
-               "variants": {v: sweep.PLACEMENT_VARIANTS[v] for v in stats},
-               "machine": sweep.machine_description(),
-               "date": time.strftime("%Y-%m-%d")}, f, indent=2)
+  sweep.write_config(os.path.join(args.out, "config.json"), config_file=CONFIG_FILE,
+                     extra=args.extra, seeds=args.seeds,
+                     variants={v: sweep.PLACEMENT_VARIANTS[v] for v in stats})
   print("\n".join(lines))
 
 

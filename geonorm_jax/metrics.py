@@ -166,6 +166,18 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
   return records
 
 
+SUMMARY_FILENAME = "summary.json"  # written by train.train into each run folder
+
+
+def read_summary(workdir: str | os.PathLike) -> dict[str, Any]:
+  """A run's summary.json, or {} when the run has not written one."""
+  path = os.path.join(workdir, SUMMARY_FILENAME)
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
   """All records of `workdir/metrics.jsonl`, in file order ([] if none yet)."""
   path = os.path.join(os.fspath(workdir), METRICS_FILENAME)

@@ -5,7 +5,6 @@ trainer wrote one), never passed in by hand, so a table can always be regenerate
 the run folders alone.
 """
 import csv
-import json
 import math
 import os
 
@@ -16,18 +15,9 @@ from geonorm_jax import metrics
 PLOT_FILENAME = "loss_curves.png"
 TABLE_FILENAME = "summary.md"
 CSV_FILENAME = "summary.csv"
-SUMMARY_FILENAME = "summary.json"  # written by train.train into each run folder
 
 COLUMNS = ("placement", "final step", "final train loss", "final eval loss", "tokens/s",
            "wall time (s)")
-
-
-def _read_run_summary(run_dir):
-  path = os.path.join(run_dir, SUMMARY_FILENAME)
-  if not os.path.exists(path):
-    return {}
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
 
 
 def _last(values):
@@ -39,7 +29,7 @@ def run_row(name, run_dir):
   train_steps, train_loss = metrics.read_scalar_series(run_dir, "loss", split="train")
   _, eval_loss = metrics.read_scalar_series(run_dir, "loss", split="eval")
   _, logged_tokens_per_s = metrics.read_scalar_series(run_dir, "tokens_per_s", split="train")
-  summary = _read_run_summary(run_dir)
+  summary = metrics.read_summary(run_dir)
   tokens_per_s = summary.get("tokens_per_s", _last(logged_tokens_per_s))
   return {
       "placement": name,

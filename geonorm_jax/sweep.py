@@ -179,6 +179,14 @@ def execute(args, runs):
   return [run_row(run) for run in runs if run.summary() is not None]
 
 
+def write_config(path, **fields):
+  """The experiment's settings, with the machine and the date, as config.json."""
+  import time  # pylint: disable=g-import-not-at-top
+  with open(path, "w") as f:
+    json.dump({**fields, "machine": machine_description(), "date": time.strftime("%Y-%m-%d")},
+              f, indent=2)
+
+
 def write_csv(path, rows):
   import csv  # pylint: disable=g-import-not-at-top
   columns = list(dict.fromkeys(k for row in rows for k in row))

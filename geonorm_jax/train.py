@@ -264,7 +264,7 @@ _PREEMPTION_POLL_STEPS = 10  # multi-process: a device all-gather, so not every 
 _DIAGNOSTIC_PREFIX = "diag/"
 _SPIKE_WINDOW = 100  # steps in the running median a loss spike is measured against
 _SPIKE_MIN_HISTORY = 10
-SUMMARY_FILENAME = "summary.json"
+SUMMARY_FILENAME = metrics.SUMMARY_FILENAME
 
 
 class SpikeDetector:
@@ -310,14 +310,6 @@ def _divergence_message(step, values, diagnostics, durable_step, workdir):
           f"grad_norm={values['grad_norm']}, lr={values['lr']:.3g}; per-layer gradient norms: "
           f"{per_layer}. Nothing after it was saved; {kept} in {workdir}. Lower train.lr "
           "(or raise warmup), or set train.on_divergence=skip to drop such steps.")
-
-
-def _read_summary(workdir):
-  path = os.path.join(workdir, SUMMARY_FILENAME)
-  if not os.path.exists(path):
-    return {}
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
 
 
 def _write_summary(workdir, summary):
@@ -379,7 +371,7 @@ def _train_locked(config, workdir, setup, restore_step):
             f"{config.train.steps}); nothing to do, its files are left as they are. Raise "
             "--config.train.steps to train further.", file=sys.stderr, flush=True)
       ckpt.close()
-      return {**_read_summary(workdir), "final_step": latest, "already_finished": True}
+      return {**metrics.read_summary(workdir), "final_step": latest, "already_finished": True}
   except BaseException:
     ckpt.close()
     raise

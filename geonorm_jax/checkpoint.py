@@ -105,8 +105,8 @@ def data_content_signature(data_config) -> str:
   import glob  # pylint: disable=g-import-not-at-top
   digest = hashlib.sha256()
   if data_config.source == "builtin":
-    from geonorm_jax import data as data_lib  # pylint: disable=g-import-not-at-top
-    digest.update(data_lib._builtin_text().encode("utf-8"))  # pylint: disable=protected-access
+    from geonorm_jax import data_sources  # pylint: disable=g-import-not-at-top
+    digest.update(data_sources.builtin_text().encode("utf-8"))
   else:
     pattern = data_config.path
     paths = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]

@@ -221,7 +221,7 @@ class TokenFileStream:
 # --------------------------------------------------------------------------- readers
 
 
-def _builtin_text() -> str:
+def builtin_text() -> str:
   from pydoc_data import topics  # pylint: disable=g-import-not-at-top
   return "".join(topics.topics[name] for name in sorted(topics.topics))
 
@@ -387,7 +387,7 @@ def _load_token_streams_cached(source, path, val_path, tokenizer, val_fraction, 
     if tokenizer != "byte":
       raise ValueError(f"data.source='builtin' is byte-level; data.tokenizer={tokenizer!r} "
                        "must be 'byte'")
-    tokens = encode_text(_builtin_text(), "byte")
+    tokens = encode_text(builtin_text(), "byte")
     name = "data.source='builtin' corpus"
   else:
     tokens = _read_source(source, path, tokenizer, "data.path")

@@ -1,4 +1,5 @@
-"""The NNX building blocks: Linear, Norm, Attention, MLP.
+"""The NNX building blocks: Linear, Norm (RMSNorm, LayerNorm, DyT), RoPE and nGPT's scales;
+Attention, MLP and the blocks are in model.py.
 
 Every parameter carries `logical_axes` metadata (embed, heads, kv, head_dim, mlp, vocab,
 length); sharding.py maps those names to mesh axes, so the model never names a device axis.

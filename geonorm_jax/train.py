@@ -289,13 +289,12 @@ class SpikeDetector:
 class _Run:
   """The loop's bookkeeping: throughput window, last values, divergence and spike tracking."""
 
-  def __init__(self, start_step, skipped_steps, spike_factor):
+  def __init__(self, skipped_steps, spike_factor):
     self.window_start = time.perf_counter()
     self.window_steps = 0
     self.tokens_per_s = float("nan")
     self.last_train_loss = float("nan")
     self.last_eval_loss = float("nan")
-    self.start_step = start_step
     self.skipped_steps = skipped_steps  # over the whole run, restored from the checkpoint
     self.spikes = 0
     self.spike_detector = SpikeDetector(spike_factor)
@@ -404,7 +403,7 @@ def _train_locked(config, workdir, setup, restore_step):
   bar = metrics.ProgressBar(config.train.steps, start_step=start,
                             enabled=config.train.progress_bar and jax.process_index() == 0)
   ckpt.install_sigterm_handler()
-  run = _Run(start, int(ckpt.restored_meta.get("skipped_steps", 0)), config.train.spike_factor)
+  run = _Run(int(ckpt.restored_meta.get("skipped_steps", 0)), config.train.spike_factor)
   monitor = collapse.CollapseMonitor()
   pending = None
   started = time.perf_counter()

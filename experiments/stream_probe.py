@@ -38,6 +38,9 @@ def _probe(run):
       "grad_norm_per_block_last_step": [last_train[k] for k in sorted(last_train)
                                         if k.startswith("grad_norm/layer_")],
       "final_eval_loss": (run.summary() or {}).get("final_eval_loss"),
+      # DyT only (NaN elsewhere): fraction of the final DyT's saturated tanh units.
+      "tanh_saturated_final_last_check": layers[-1].get("collapse/tanh_saturated_final",
+                                                        float("nan")),
   }
 
 
@@ -69,7 +72,7 @@ def main():
                     **{field: _mean([p[field] for p in probes]) for field in
                        ("token_cosine", "logit_spread", "residual_rms_last_check",
                         "stream_angle_last_check", "grad_norm_per_block_last_step",
-                        "final_eval_loss")}}
+                        "final_eval_loss", "tanh_saturated_final_last_check")}}
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump({"lr": args.lr, "steps": args.steps, "seeds": args.seeds, "runs": results}, f,

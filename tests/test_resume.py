@@ -168,20 +168,26 @@ def test_sigkill_then_rerun_resumes_bit_identically(reference, tmp_path):
   _check_resumed(rerun, resume_from, reference)
 
 
-def test_sigterm_saves_exits_cleanly_and_rerun_matches(reference, tmp_path):
-  workdir = tmp_path / "preempted"
+@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT],
+                         ids=["sigterm", "ctrl_c"])
+def test_a_signal_saves_exits_cleanly_and_rerun_matches(reference, tmp_path, signal_number):
+  """SIGTERM is a preemption; SIGINT (Ctrl-C) used to lose every step since the last
+  checkpoint, with a traceback, and now saves the same way."""
+  workdir = tmp_path / "stopped"
   run = _Run(workdir, reference["cache_dir"], step_delay=STEP_DELAY_S)
   try:
     run.wait_for_step(12)
-    run.proc.send_signal(signal.SIGTERM)
+    run.proc.send_signal(signal_number)
     run.wait(expect_rc=0)
   finally:
     run.kill()
+  assert "Traceback" not in run.stderr(), run.describe()
   summary = _summary(workdir)
   assert summary["preempted"] is True, summary
+  assert summary["interrupted"] is (signal_number == signal.SIGINT), summary
   stopped = summary["final_step"]
   assert 12 <= stopped < STEPS, summary
-  # The preemption save is of the very step it stopped at, off the checkpoint.every grid or on it.
+  # The save is of the very step it stopped at, off the checkpoint.every grid or on it.
   assert _checkpoint_steps(workdir)[-1] == stopped, _checkpoint_steps(workdir)
   assert _max_train_step(workdir) == stopped
 
@@ -214,21 +220,3 @@ def test_incompatible_config_raises_and_leaves_workdir_untouched(reference):
   assert _snapshot(workdir) == before
 
 
-def test_ctrl_c_saves_like_a_preemption_and_rerun_matches(reference, tmp_path):
-  """SIGINT used to lose every step since the last checkpoint, with a traceback."""
-  workdir = tmp_path / "interrupted"
-  run = _Run(workdir, reference["cache_dir"], step_delay=STEP_DELAY_S)
-  try:
-    run.wait_for_step(12)
-    run.proc.send_signal(signal.SIGINT)
-    run.wait(expect_rc=0)
-  finally:
-    run.kill()
-  assert "Traceback" not in run.stderr(), run.describe()
-  summary = _summary(workdir)
-  assert summary["interrupted"] is True and summary["preempted"] is True, summary
-  stopped = summary["final_step"]
-  assert 12 <= stopped < STEPS and _checkpoint_steps(workdir)[-1] == stopped
-
-  rerun = _Run(workdir, reference["cache_dir"]).wait()
-  _check_resumed(rerun, stopped, reference)

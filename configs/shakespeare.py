@@ -14,9 +14,9 @@ reads this recipe (experiments/shakespeare.py, placement_sweep.py, stream_probe.
 Runtime: ~90 s of training on a quiet 2-core x86_64 CPU (the dyt run of results/shakespeare/
 results.csv ran at 11,640 tokens/s; the others shared the machine with other jobs).
 Expected result (results/shakespeare/table.md): validation loss 2.183 +- 0.023 for pre (3
-seeds); every placement below 2.5 except DyT (3.348) and, at this lr, GeoNorm harmonic in 1 of
-3 seeds (3.230; 2.134, 2.193 otherwise), constant and sqrt (3.351, 3.350, one seed; they learn
-at lr 1e-3: results/shakespeare_lr1e-3/).
+seeds); every placement below 2.5 except DyT (3.348) and, at this lr, GeoNorm harmonic,
+constant and sqrt in 1, 2 and 1 of 3 seeds (collapsed at ~3.35; they learn at lr 1e-3:
+results/shakespeare_lr1e-3/).
 """
 from geonorm_jax import config as config_lib
 

@@ -226,10 +226,9 @@ def builtin_text() -> str:
   return "".join(topics.topics[name] for name in sorted(topics.topics))
 
 
-def _resolve_files(pattern: str, field: str) -> list[str]:
-  """Files named by a path or glob; missing or empty files are errors naming `field`."""
-  if not pattern:
-    raise ValueError(f"{field} is empty, but this data.source reads its tokens from a file")
+def expand_pattern(pattern: str, field: str, missing: str) -> list[str]:
+  """The files a path or glob names, sorted; a glob matching nothing, or a path that is not a
+  file, is an error naming `field` (`missing` formats the latter with the path)."""
   if glob.has_magic(pattern):
     paths = sorted(glob.glob(pattern))
     if not paths:
@@ -238,7 +237,16 @@ def _resolve_files(pattern: str, field: str) -> list[str]:
     paths = [pattern]
   for path in paths:
     if not os.path.isfile(path):
-      raise FileNotFoundError(f"{field}: data file {path!r} does not exist")
+      raise FileNotFoundError(missing.format(path=path))
+  return paths
+
+
+def _resolve_files(pattern: str, field: str) -> list[str]:
+  """Files named by a path or glob; missing or empty files are errors naming `field`."""
+  if not pattern:
+    raise ValueError(f"{field} is empty, but this data.source reads its tokens from a file")
+  paths = expand_pattern(pattern, field, f"{field}: data file {{path!r}} does not exist")
+  for path in paths:
     if os.path.getsize(path) == 0:
       raise ValueError(f"{field}: data file {path!r} is empty")
   return paths

@@ -58,16 +58,10 @@ def _resolve_inputs(patterns) -> list[str]:
   if not patterns:
     raise ValueError("--input is required: text, .jsonl or .parquet files (globs allowed)")
   paths = []
+  from geonorm_jax import data_sources  # pylint: disable=g-import-not-at-top
   for pattern in patterns:
-    if glob.has_magic(pattern):
-      matches = sorted(glob.glob(pattern))
-      if not matches:
-        raise FileNotFoundError(f"--input={pattern!r} matches no file")
-    else:
-      matches = [pattern]
-    for path in matches:
-      if not os.path.isfile(path):
-        raise FileNotFoundError(f"--input: {path!r} does not exist or is not a file")
+    for path in data_sources.expand_pattern(
+        pattern, "--input", "--input: {path!r} does not exist or is not a file"):
       if path not in paths:
         paths.append(path)
   return paths

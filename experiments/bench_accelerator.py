@@ -170,7 +170,7 @@ def time_training(args, placement, vocab_size=None):
   }
 
 
-def _fused_attention(q_BxLxHxK, k_BxMxGxK, v_BxMxGxK, scale):
+def _fused_attention(q_BxLxHxK, k_BxMxGxK, v_BxMxGxK, scale, impl=None):
   """The model's causal_attention through jax.nn.dot_product_attention (cuDNN on a GPU)."""
   return jax.nn.dot_product_attention(q_BxLxHxK, k_BxMxGxK, v_BxMxGxK, scale=scale,
                                       is_causal=True,

@@ -37,6 +37,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   model.init_std = 0.02
   model.dtype = "float32"  # compute dtype; params stay float32
   model.remat = False  # rematerialise each block in the backward pass
+  # auto (blocked on a CPU, dense elsewhere) | dense (full L x L scores, masked) | blocked
+  # (blocks of queries that skip the masked keys) | cudnn (fused kernel, NVIDIA GPUs only).
+  # Every choice computes the same function; they differ in speed (results/bench/train.json).
+  model.attention = "auto"
   # Each placement's own fields (geo_*, mixln_fraction, ngpt_alpha_init, dyt_alpha_*, ...)
   # are declared by its registry entry in placements.py and added here.
   for name, option in placements.all_options().items():

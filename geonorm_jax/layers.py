@@ -43,7 +43,10 @@ class Linear(nnx.Module):
 
   def __call__(self, x, perturb=None):
     x = tap(perturb, self.name + ".in", x.astype(self.dtype))
-    y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(self.dtype))
+    # One 2-D matmul over all tokens: with the batch axes kept, XLA's CPU backend lays out
+    # the gradient's x^T dy as transposes plus a slow dot (the whole step was 1.3x slower).
+    x_NxI = x.reshape(-1, x.shape[-1])
+    y = (x_NxI @ self.kernel[...].astype(self.dtype)).reshape(*x.shape[:-1], -1)
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return tap(perturb, self.name + ".out", y)

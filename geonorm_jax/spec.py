@@ -10,6 +10,7 @@ from geonorm_jax import placements
 BACKBONES = ("gpt2", "llama")
 NORM_KINDS = ("layernorm", "rmsnorm")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLS = ("auto", "dense", "blocked", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,7 @@ class ModelSpec:
   init_std: float
   dtype: str
   remat: bool
+  attention: str
   # Every placement's own fields (placements.Option), resolved: ((name, value), ...).
   options: tuple = ()
 
@@ -112,6 +114,7 @@ def resolve(model_config):
     raise ValueError(f"RoPE needs an even head dimension; model.d_model/model.num_heads="
                      f"{c.d_model // c.num_heads}")
   _choice("dtype", c.dtype, DTYPES)
+  _choice("attention", c.attention, ATTENTION_IMPLS)
   options = []
   for name, option in placements.all_options().items():
     problem = option.check(c[name])
@@ -137,4 +140,4 @@ def resolve(model_config):
       tie_embeddings=_auto_bool("tie_embeddings", c.tie_embeddings, backbone == "gpt2"),
       rope_theta=float(c.rope_theta), qk_norm=bool(c.qk_norm), dt=float(c.dt),
       embed_norm=bool(c.embed_norm), init_std=float(c.init_std), dtype=c.dtype,
-      remat=bool(c.remat), options=tuple(options))
+      remat=bool(c.remat), attention=c.attention, options=tuple(options))

@@ -112,7 +112,16 @@ def init_state(setup, seed=None):
     params = nnx.state(model_lib.build(setup.spec, seed=seed))
     return {"step": jnp.zeros((), jnp.int32), "params": params,
             "opt_state": setup.optimizer.init(params)}
-  return jax.jit(init, out_shardings=setup.state_shardings)()
+  if jax.default_backend() != "gpu":
+    return jax.jit(init, out_shardings=setup.state_shardings)()
+  # XLA inlines every threefry call on a GPU: GPT-2 124M's init compiled for 3 min; the
+  # threefry kernel (same bits) compiles in seconds (results/bench/accelerator_nvidia_h200.json).
+  previous = jax.config.jax_threefry_gpu_kernel_lowering
+  jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+  try:
+    return jax.jit(init, out_shardings=setup.state_shardings)()
+  finally:
+    jax.config.update("jax_threefry_gpu_kernel_lowering", previous)
 
 
 def _accumulated_grads(graphdef, params, tokens_AxBxL1):

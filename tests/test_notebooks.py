@@ -1,5 +1,6 @@
 """Every notebook executes headless on tiny settings and draws its figures; the committed
 notebooks carry no outputs and share one install cell."""
+import ast
 import csv
 import glob
 import json
@@ -161,3 +162,33 @@ def test_hessian_analyses_a_checkpoint_and_plots_the_weight_scale_result(tiny_ru
               if (r["placement"], r["scope"], r["quantity"]) == ("simplenorm", "up", "act_in")]
   slope = np.polyfit(*np.log(np.array(sorted(points))).T, 1)[0]
   assert f"simplenorm           up : slope {slope:+.2f}\n" in printed
+
+
+def _find_checkout_function():
+  """The install cell's find_checkout, compiled alone (the cell itself would clone or pip)."""
+  notebook = nbformat.read(NOTEBOOKS[0], as_version=4)
+  source = next(cell.source for cell in notebook.cells if cell.cell_type == "code")
+  tree = ast.parse(source)
+  function = next(node for node in tree.body
+                  if isinstance(node, ast.FunctionDef) and node.name == "find_checkout")
+  namespace = {"os": os}
+  exec(compile(ast.Module([function], []), "install cell", "exec"), namespace)  # pylint: disable=exec-used
+  return namespace["find_checkout"]
+
+
+def test_install_cell_finds_the_checkout_or_its_clone(tmp_path):
+  find_checkout = _find_checkout_function()
+  assert find_checkout(NOTEBOOK_DIR) == REPO_ROOT  # walks up from notebooks/
+  assert find_checkout(os.path.join(REPO_ROOT, "geonorm_jax")) == REPO_ROOT
+  # A fresh runtime (Colab's /content): nothing yet, so the cell clones into ./geonorm_jax;
+  # run again, it finds that clone instead of cloning twice.
+  content = tmp_path / "content"
+  content.mkdir()
+  assert find_checkout(str(content)) is None
+  (content / "geonorm_jax").mkdir()
+  (content / "geonorm_jax" / "setup.py").write_text('setup(\n    name="geonorm_jax",\n)\n')
+  assert find_checkout(str(content)) == str(content / "geonorm_jax")
+  # Another project's setup.py on the way up is not ours.
+  (tmp_path / "other").mkdir()
+  (tmp_path / "other" / "setup.py").write_text('setup(name="something_else")\n')
+  assert find_checkout(str(tmp_path / "other")) is None

@@ -203,6 +203,36 @@ def read_scalar_series(
   return steps, values
 
 
+_LAYER_KEY = re.compile(r"^(?P<statistic>.+)/layer_(?P<layer>\d+)$")
+
+
+def read_layer_series(
+    workdir: str | os.PathLike, statistic: str, split: str = "layers"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(steps_S, layers_L, values_SxL) of every `<statistic>/layer_NN` scalar of a run.
+
+  E.g. statistic "residual_rms" (split "layers": the stream after the embedding and each
+  block) or "grad_norm" (split "train"). Rows are the steps that logged the statistic,
+  columns the layer indices in order; a layer missing at some step is NaN there. A step
+  logged twice keeps the later line, as in `read_scalar_series`.
+  """
+  by_step: dict[int, dict[int, float]] = {}
+  for record in read_metrics(workdir):
+    if record.get("split") != split:
+      continue
+    for key, value in record.items():
+      match = _LAYER_KEY.match(key)
+      if match and match["statistic"] == statistic:
+        by_step.setdefault(int(record["step"]), {})[int(match["layer"])] = float(value)
+  steps = np.array(sorted(by_step), dtype=np.int64)
+  layers = np.array(sorted({layer for row in by_step.values() for layer in row}), dtype=np.int64)
+  values = np.full((len(steps), len(layers)), np.nan)
+  for row_index, step in enumerate(steps):
+    for column, layer in enumerate(layers):
+      values[row_index, column] = by_step[int(step)].get(int(layer), np.nan)
+  return steps, layers, values
+
+
 # ---------------------------------------------------------------------------
 # Per-layer statistics (pure JAX, jit-able).
 # ---------------------------------------------------------------------------

@@ -117,3 +117,22 @@ def best_run(rows):
     loss = row["final eval loss"]
     return loss if np.isfinite(loss) else float("inf")
   return min(rows, key=key)
+
+
+def _parse_cell(text):
+  if text == "":
+    return None
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
+
+
+def read_results_csv(path):
+  """The rows of an experiment's results.csv (sweep.write_csv): integers and floats parsed
+  (`nan` included), empty cells None (e.g. no collapse_step), any other text kept as is."""
+  with open(path, encoding="utf-8", newline="") as f:
+    return [{key: _parse_cell(value) for key, value in row.items()}
+            for row in csv.DictReader(f)]

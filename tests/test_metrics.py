@@ -1,5 +1,6 @@
 """Tests for geonorm_jax.metrics: logging round trips, per-layer statistics, throughput."""
 import io
+import json
 import math
 import os
 
@@ -51,6 +52,26 @@ def test_jsonl_round_trip_and_series(tmp_path):
   np.testing.assert_array_equal(values, [3.5])
   steps, _ = metrics.read_scalar_series(tmp_path, "grad_norm")
   np.testing.assert_array_equal(steps, [1])
+
+
+def test_layer_series_gathers_layers_by_index(tmp_path):
+  lines = [
+      {"step": 0, "split": "layers", "residual_rms/layer_00": 1.0, "residual_rms/layer_10": 3.0,
+       "residual_rms/layer_02": 2.0, "stream_angle/layer_00": 9.0},
+      {"step": 0, "split": "train", "residual_rms/layer_00": 99.0},  # another split
+      {"step": 5, "split": "layers", "residual_rms/layer_00": 4.0},  # layers 2 and 10 missing
+      {"step": 5, "split": "layers", "residual_rms/layer_00": 5.0,  # a rerun of step 5 wins
+       "residual_rms/layer_02": 6.0},
+  ]
+  (tmp_path / metrics.METRICS_FILENAME).write_text("".join(json.dumps(l) + "\n" for l in lines))
+  steps, layers, values = metrics.read_layer_series(tmp_path, "residual_rms")
+  np.testing.assert_array_equal(steps, [0, 5])
+  np.testing.assert_array_equal(layers, [0, 2, 10])  # numeric order, not file order
+  np.testing.assert_array_equal(values, [[1.0, 2.0, 3.0], [5.0, 6.0, np.nan]])
+  steps, layers, values = metrics.read_layer_series(tmp_path, "residual_rms", split="train")
+  np.testing.assert_array_equal(values, [[99.0]])
+  steps, layers, values = metrics.read_layer_series(tmp_path, "grad_norm")
+  assert values.shape == (0, 0) and len(steps) == 0 and len(layers) == 0
 
 
 def test_resume_truncates_jsonl_and_tensorboard(tmp_path):

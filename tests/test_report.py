@@ -3,7 +3,7 @@ import csv
 import json
 import math
 
-from geonorm_jax import metrics, report
+from geonorm_jax import metrics, report, sweep
 
 
 def _fake_run(path, train_losses, eval_losses, summary=None):
@@ -43,3 +43,17 @@ def test_a_run_that_never_evaluated_is_not_the_best(tmp_path):
   _fake_run(tmp_path / "b", [3.0], {1: 3.0})
   rows = [report.run_row("A", str(tmp_path / "a")), report.run_row("B", str(tmp_path / "b"))]
   assert report.best_run(rows)["placement"] == "B"
+
+
+def test_results_csv_reads_back_what_a_sweep_wrote(tmp_path):
+  rows = [{"variant": "pre", "lr": "1e-3", "seed": 0, "final_eval_loss": 2.5,
+           "collapse_step": None, "token_cosine": float("nan")},
+          {"variant": "geonorm", "lr": "3e-3", "seed": 2, "final_eval_loss": 3.25,
+           "collapse_step": 125, "token_cosine": 0.97}]
+  path = tmp_path / "results.csv"
+  sweep.write_csv(path, rows)
+  read = report.read_results_csv(path)
+  assert [r["variant"] for r in read] == ["pre", "geonorm"]
+  assert read[0]["collapse_step"] is None and read[1]["collapse_step"] == 125
+  assert isinstance(read[1]["seed"], int) and read[1]["final_eval_loss"] == 3.25
+  assert read[0]["lr"] == 1e-3 and math.isnan(read[0]["token_cosine"])

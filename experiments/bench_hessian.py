@@ -142,9 +142,12 @@ def main():
                                            "overhead_vs_hvp_loop", "meets_targets")}, indent=2))
 
 
-def analysis_main(workdir, num_steps, num_probes, num_batches, rounds):
-  """Old (commit OLD_COMMIT) vs new default analysis of one checkpoint, alternating."""
-  import io  # pylint: disable=g-import-not-at-top
+def analysis_main(workdir, num_steps, num_probes, num_batches, rounds, warmup, output):
+  """Old (commit OLD_COMMIT) vs new default analysis of one checkpoint, alternating.
+
+  With warmup=0 there is no untimed first call: every round's time includes compilation
+  (for a long analysis whose single round is all that fits)."""
+  import sys  # pylint: disable=g-import-not-at-top
   from geonorm_jax import hessian_analysis, train  # pylint: disable=g-import-not-at-top
   old_hessian, old_analyse = _old_implementation()
   del old_hessian
@@ -156,18 +159,21 @@ def analysis_main(workdir, num_steps, num_probes, num_batches, rounds):
   analyser = hessian_analysis.Analyser(setup, settings)
   old = jax.jit(lambda p, t, k: old_analyse(setup.graphdef, p, t, num_steps=num_steps,
                                             num_probes=num_probes, top_k=settings.top_k, key=k))
-  log = io.StringIO()
   calls = {
       "old": lambda: jax.device_get(old(params, tokens, jax.random.key(0))),
-      "new": lambda: analyser.run(state, stream=log),
+      "new": lambda: analyser.run(state, stream=sys.stderr),  # the CLI's plan, bar and ETA
   }
-  first = {name: timed_value(call) for name, call in calls.items()}  # includes compilation
+  # Includes compilation.
+  first = {name: timed_value(call) for name, call in calls.items()} if warmup else {}
   rounds_s = {name: [] for name in calls}
+  rounds_cpu_s = {name: [] for name in calls}
   outputs = {}
   for _ in range(rounds):
     for name, call in calls.items():
+      cpu_started = time.process_time()
       seconds, outputs[name] = timed_value(call)
       rounds_s[name].append(seconds)
+      rounds_cpu_s[name].append(time.process_time() - cpu_started)
   median = {name: statistics.median(times) for name, times in rounds_s.items()}
   old_out, new_out = outputs["old"], outputs["new"]
   old_top = np.asarray(old_out["top"], np.float64)
@@ -193,9 +199,15 @@ def analysis_main(workdir, num_steps, num_probes, num_batches, rounds):
       "products": {"old": num_steps + num_probes * num_steps + num_probes,
                    "new": sum(new_out["products"].values())},
       "rounds": rounds, "rounds_s": rounds_s, "median_s": median,
+      # CPU seconds of all threads: on a shared machine whose other jobs may be paused or
+      # may pause this one, the ratio of these is the steadier measure.
+      "rounds_cpu_s": rounds_cpu_s,
+      "speedup_cpu": (statistics.median(rounds_cpu_s["old"]) /
+                      statistics.median(rounds_cpu_s["new"])),
+      "rounds_include_compilation": not warmup,
       "first_call_s_incl_compile": {name: value[0] for name, value in first.items()},
       "speedup": median["old"] / median["new"],
-      "speedup_incl_compile": first["old"][0] / first["new"][0],
+      "speedup_incl_compile": first["old"][0] / first["new"][0] if warmup else None,
       "new_seconds_per_stage_last_round": new_out["seconds"],
       "top_eigenvalues": {"old": old_top.tolist(), "new": new_top.tolist(),
                           "new_residual_bounds": bounds.tolist(),
@@ -209,8 +221,7 @@ def analysis_main(workdir, num_steps, num_probes, num_batches, rounds):
   result["trace"]["new_minus_old_hutchinson_in_combined_stderr"] = abs(
       result["trace"]["new"][0] - result["trace"]["old_hutchinson"][0]) / math.hypot(
           result["trace"]["new"][1], result["trace"]["old_hutchinson"][1])
-  path = REPO_ROOT / "results" / "bench" / "hessian_analysis.json"
-  with open(path, "w") as f:
+  with open(REPO_ROOT / "results" / "bench" / output, "w") as f:
     json.dump(result, f, indent=2)
   print(json.dumps({k: result[k] for k in ("products", "median_s", "speedup",
                                            "top_eigenvalues", "density_l1_old_vs_new",
@@ -306,12 +317,17 @@ if __name__ == "__main__":
   parser.add_argument("--num_probes", type=int, default=8)
   parser.add_argument("--num_batches", type=int, default=4)
   parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--warmup", type=int, choices=(0, 1), default=1, help="--analysis: 0 "
+                      "skips the untimed first call, so the rounds include compilation")
+  parser.add_argument("--output", default="hessian_analysis.json",
+                      help="--analysis: file name under results/bench/")
   parser.add_argument("--size", default="llama2_7b")
   parser.add_argument("--num_layers", type=int, default=0, help="--memory: override the size's "
                       "depth (0: keep it)")
   args = parser.parse_args()
   if args.analysis:
-    analysis_main(args.analysis, args.num_steps, args.num_probes, args.num_batches, args.rounds)
+    analysis_main(args.analysis, args.num_steps, args.num_probes, args.num_batches, args.rounds,
+                  args.warmup, args.output)
   elif args.memory:
     jax.config.update("jax_num_cpu_devices", 8)
     memory_main(args.size, args.num_layers)

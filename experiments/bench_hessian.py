@@ -40,6 +40,9 @@ Two more modes:
     lowered on abstract arrays and compiled for 8 fake CPU devices (FSDP); writes
     results/bench/hessian_memory.json (or hessian_memory_<size>_<L>l.json with --num_layers,
     which also compiles the same Lanczos without the shardings for comparison).
+    With --memory_steps=4,20: the same at both step counts; the growth of the temporaries
+    in between, over one basis row's shard, is the number of basis copies each device holds
+    (hessian_memory_<size>_<L>l_steps.json).
 """
 import datetime
 import json
@@ -231,8 +234,9 @@ def analysis_main(workdir, num_steps, num_probes, num_batches, rounds, warmup, o
 MEMORY_STEPS = 20
 
 
-def lanczos_memory(size, num_layers=0, fsdp=8, hvp="recomputed", sharded_basis=True):
-  """Per-device memory of a MEMORY_STEPS-step Lanczos on the Hessian of `size`, from
+def lanczos_memory(size, num_layers=0, fsdp=8, hvp="recomputed", sharded_basis=True,
+                   num_steps=MEMORY_STEPS):
+  """Per-device memory of a num_steps-step Lanczos on the Hessian of `size`, from
   jax.jit(...).lower(abstract arrays).compile().memory_analysis() on an FSDP mesh."""
   from geonorm_jax import hessian_analysis, train  # pylint: disable=g-import-not-at-top
   overrides = [size, f"mesh.data=1,mesh.fsdp={fsdp},data.batch_size={fsdp},data.seq_len=128"]
@@ -243,10 +247,10 @@ def lanczos_memory(size, num_layers=0, fsdp=8, hvp="recomputed", sharded_basis=T
   params = train.sharded_abstract_state(setup)["params"]
   tokens = jax.ShapeDtypeStruct((1, config.data.batch_size, config.data.seq_len + 1), jnp.int32,
                                 sharding=setup.batch_sharding)
-  settings = hessian_analysis.Settings(num_steps=MEMORY_STEPS, hvp=hvp, top_k=1)
+  settings = hessian_analysis.Settings(num_steps=num_steps, hvp=hvp, top_k=1)
   analyser = hessian_analysis.Analyser(setup, settings)
   shardings = setup.state_shardings["params"] if sharded_basis else None
-  run = jax.jit(lambda p, t, k: hessian.lanczos(analyser._matvec(p, t), p, MEMORY_STEPS, k,  # pylint: disable=protected-access
+  run = jax.jit(lambda p, t, k: hessian.lanczos(analyser._matvec(p, t), p, num_steps, k,  # pylint: disable=protected-access
                                                 shardings=shardings).ritz_values)
   started = time.perf_counter()
   compiled = run.lower(params, tokens, jax.random.key(0)).compile()
@@ -256,10 +260,10 @@ def lanczos_memory(size, num_layers=0, fsdp=8, hvp="recomputed", sharded_basis=T
   fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
             "alias_size_in_bytes", "generated_code_size_in_bytes")
   per_device = {f: int(getattr(memory, f)) for f in fields}
-  basis_bytes = (MEMORY_STEPS + 1) * num_params * 4
+  basis_bytes = (num_steps + 1) * num_params * 4
   return {
       "size": size, "num_layers": config.model.num_layers, "num_params": num_params,
-      "mesh": {"fsdp": fsdp}, "hvp": hvp, "basis_sharded": sharded_basis,
+      "mesh": {"fsdp": fsdp}, "hvp": hvp, "num_steps": num_steps, "basis_sharded": sharded_basis,
       "per_device_bytes": per_device,
       "per_device_gib": {f: v / 2**30 for f, v in per_device.items()},
       "basis_gib_replicated": basis_bytes / 2**30,
@@ -268,7 +272,34 @@ def lanczos_memory(size, num_layers=0, fsdp=8, hvp="recomputed", sharded_basis=T
   }
 
 
-def memory_main(size, num_layers):
+def memory_main(size, num_layers, steps):
+  """One Lanczos per step count; with two, how many copies of the basis each device holds:
+  the growth of its temporaries per added step over one basis row's shard."""
+  if len(steps) > 1:
+    runs = [lanczos_memory(size, num_layers, num_steps=s) for s in steps]
+    first, last = runs[0], runs[-1]
+    row_per_device = first["num_params"] * 4 / first["mesh"]["fsdp"]
+    grown = (last["per_device_bytes"]["temp_size_in_bytes"] -
+             first["per_device_bytes"]["temp_size_in_bytes"])
+    copies = grown / ((last["num_steps"] - first["num_steps"]) * row_per_device)
+    fixed = (first["per_device_bytes"]["temp_size_in_bytes"] -
+             copies * (first["num_steps"] + 1) * row_per_device)
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "what": f"Lanczos at {steps} steps (hessian_estimators.lanczos with the parameters' "
+                "shardings), HVP recomputed, batch 8 x 128, compiled for 8 fake CPU devices "
+                "(FSDP): the basis copies per device and the part that does not grow with "
+                "the steps (the HVP's working set and the loop's vectors)",
+        "jax": jax.__version__, "runs": runs,
+        "basis_copies_per_device": copies,
+        "temp_gib_not_growing_with_steps": fixed / 2**30,
+        "unsharded_param_vector_gib": first["num_params"] * 4 / 2**30,
+    }
+    name = f"hessian_memory_{size}_{num_layers or 'full'}l_steps.json"
+    with open(REPO_ROOT / "results" / "bench" / name, "w") as f:
+      json.dump(result, f, indent=2)
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    return
   result = {
       "date": datetime.datetime.now().isoformat(timespec="seconds"),
       "what": f"{MEMORY_STEPS}-step Lanczos (hessian_estimators.lanczos with the parameters' "
@@ -324,12 +355,15 @@ if __name__ == "__main__":
   parser.add_argument("--size", default="llama2_7b")
   parser.add_argument("--num_layers", type=int, default=0, help="--memory: override the size's "
                       "depth (0: keep it)")
+  parser.add_argument("--memory_steps", default=str(MEMORY_STEPS), help="--memory: Lanczos "
+                      "steps; two (e.g. 4,20) measure the basis copies per device from the "
+                      "growth in between")
   args = parser.parse_args()
   if args.analysis:
     analysis_main(args.analysis, args.num_steps, args.num_probes, args.num_batches, args.rounds,
                   args.warmup, args.output)
   elif args.memory:
     jax.config.update("jax_num_cpu_devices", 8)
-    memory_main(args.size, args.num_layers)
+    memory_main(args.size, args.num_layers, [int(s) for s in args.memory_steps.split(",")])
   else:
     main()

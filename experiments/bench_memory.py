@@ -364,7 +364,8 @@ def linearity_checks(compiled_rows, checks):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--part", choices=("all", "device", "host", "family"), default="all")
+  parser.add_argument("--part", choices=("all", "device", "linearity", "host", "family"),
+                      default="all")
   parser.add_argument("--devices", default=",".join(map(str, DEVICE_COUNTS)))
   parser.add_argument("--sizes", default=",".join(PAPER_SIZES))
   parser.add_argument("--kinds", default="fsdp,fsdp_tensor")
@@ -384,12 +385,13 @@ def main():
     for num_devices in map(int, args.devices.split(",")):
       jobs = device_jobs(num_devices, args.sizes.split(","), args.kinds.split(","))
       rows += in_subprocess(num_devices, jobs, lambda r: print(json.dumps(r), flush=True))
-      checks = [c.split(":") for c in filter(None, args.check_linearity.split(","))]
       result["device"] = {"compiled": rows, "table": table_rows(rows),
                           "linearity_checks": result.get("device", {}).get("linearity_checks", [])}
       write(result)  # after every device count: a partial table survives an interruption
+  if args.part in ("all", "linearity"):
+    checks = [c.split(":") for c in filter(None, args.check_linearity.split(","))]
     result["device"]["linearity_checks"] = linearity_checks(
-        rows, [(s, k, int(n), int(l)) for s, k, n, l in checks])
+        result["device"]["compiled"], [(s, k, int(n), int(l)) for s, k, n, l in checks])
     write(result)
   if args.part in ("all", "host"):
     result["host"] = host_runs()

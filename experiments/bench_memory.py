@@ -203,8 +203,8 @@ def host_runs():
       "shakespeare_50_steps": "configs/shakespeare.py:train.steps=50,train.eval_every=50,"
                               "checkpoint.every=50",
       "10m_10_steps": "configs/tiny.py:num_layers=6,d_model=384,num_heads=6,max_seq_len=256,"
-                      "data.seq_len=256,data.batch_size=16,train.steps=10,train.eval_every=10,"
-                      "checkpoint.every=10",
+                      "data.seq_len=256,data.batch_size=16,train.steps=10,train.warmup_steps=2,"
+                      "train.eval_every=10,checkpoint.every=10",
   }
   out = {}
   for name, config in runs.items():
@@ -217,15 +217,25 @@ def host_runs():
                                  env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
       _, status, usage = os.wait4(process.pid, 0)
       stderr = process.stderr.read().decode()[-500:]
-      summary = pathlib.Path(workdir, "summary.json")
-      num_params = json.loads(summary.read_text()).get("num_params") if summary.exists() else None
-    out[name] = {"command": " ".join(command[1:3]), "exit_status": os.waitstatus_to_exitcode(status),
+    out[name] = {"command": " ".join(command[1:]), "exit_status": os.waitstatus_to_exitcode(status),
                  "peak_rss_bytes": usage.ru_maxrss * 1024, "wall_s": time.perf_counter() - started,
-                 "num_params": num_params}
+                 "num_params": _num_params(config)}
     if out[name]["exit_status"]:
       out[name]["stderr_tail"] = stderr
     print(name, out[name], flush=True)
   return out
+
+
+def _num_params(config_arg):
+  """Parameters of the model of a `configs/FILE.py:ARG` argument (abstract, nothing built)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  from geonorm_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  path, _, arg = config_arg.partition(":")
+  spec = importlib.util.spec_from_file_location("config_file", REPO_ROOT / path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(arg)
+  return model_lib.count_params(model_lib.abstract_params(config.model)[1])
 
 
 def family_extra(k, remat):
@@ -242,7 +252,8 @@ def largest_tiny_family(limit_gib=HOST_LIMIT_GIB, max_k=24):
     tried = {}
 
     def total(k):
-      config = config_for("tiny", "fsdp", 1, seq=128, extra=family_extra(k, remat))
+      config = config_for("tiny", "fsdp", 1, seq=128, extra=family_extra(k, remat),
+                          tokens_per_replica=16 * 128)
       tried[k] = step_memory(config, 1)
       print("tiny family", k, "remat" if remat else "", tried[k]["total"] / GIB, flush=True)
       return tried[k]["total"]
@@ -295,6 +306,11 @@ def markdown(result):
       lines.append(f"| {row['size']} | {row['num_devices']} | {mesh} | {batch} | "
                    f"{gib(row['params'])} | {gib(row['arguments'])} | {gib(row['temporaries'])} | "
                    f"{gib(row['total'])} | {yes(row['fits']['16GiB'])} | {yes(row['fits']['95GiB'])} |")
+    done = {(r["size"], r["kind"], r["num_devices"]) for r in device["table"]}
+    missing = [f"{s} {k} {n}" for n in DEVICE_COUNTS for s in PAPER_SIZES
+               for k in ("fsdp", "fsdp_tensor") if (s, k, n) not in done]
+    if missing and done and all(r["size"] in PAPER_SIZES for r in device["table"]):
+      lines += ["", f"Not compiled in this run: {', '.join(missing)}."]
     checks = device.get("linearity_checks") or []
     if checks:
       lines += ["", "Linearity check (compiled at the stated depth vs extrapolated from 1 and 2 "

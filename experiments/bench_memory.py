@@ -17,7 +17,8 @@ parameters and compute (the config default). Per device:
 Compiling billions of parameters for 256 devices takes too long on a small CPU, so each
 (size, mesh) is compiled at LAYERS (1 and 2 blocks) and extrapolated linearly in the number
 of blocks to the full depth; `--check_linearity` compiles a few at full or larger depth to
-measure how far the extrapolation is off, written next to the table.
+measure how far the extrapolation is off, written next to the table (`--part=linearity`
+reruns only those).
 
 Host memory: peak resident memory (ru_maxrss, from os.wait4 on the child) of whole training
 runs in subprocesses: configs/shakespeare.py for 50 steps, and a 10M model (6 layers, d=384,

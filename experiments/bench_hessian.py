@@ -40,6 +40,9 @@ Two more modes:
     lowered on abstract arrays and compiled for 8 fake CPU devices (FSDP); writes
     results/bench/hessian_memory.json (or hessian_memory_<size>_<L>l.json with --num_layers,
     which also compiles the same Lanczos without the shardings for comparison).
+    With --memory_steps=4,20: the same at both step counts; the growth of the temporaries
+    in between, over one basis row's shard, is the number of basis copies each device holds
+    (hessian_memory_<size>_<L>l_steps.json).
 """
 import datetime
 import json
@@ -142,9 +145,12 @@ def main():
                                            "overhead_vs_hvp_loop", "meets_targets")}, indent=2))
 
 
-def analysis_main(workdir, num_steps, num_probes, num_batches, rounds):
-  """Old (commit OLD_COMMIT) vs new default analysis of one checkpoint, alternating."""
-  import io  # pylint: disable=g-import-not-at-top
+def analysis_main(workdir, num_steps, num_probes, num_batches, rounds, warmup, output):
+  """Old (commit OLD_COMMIT) vs new default analysis of one checkpoint, alternating.
+
+  With warmup=0 there is no untimed first call: every round's time includes compilation
+  (for a long analysis whose single round is all that fits)."""
+  import sys  # pylint: disable=g-import-not-at-top
   from geonorm_jax import hessian_analysis, train  # pylint: disable=g-import-not-at-top
   old_hessian, old_analyse = _old_implementation()
   del old_hessian
@@ -156,18 +162,21 @@ def analysis_main(workdir, num_steps, num_probes, num_batches, rounds):
   analyser = hessian_analysis.Analyser(setup, settings)
   old = jax.jit(lambda p, t, k: old_analyse(setup.graphdef, p, t, num_steps=num_steps,
                                             num_probes=num_probes, top_k=settings.top_k, key=k))
-  log = io.StringIO()
   calls = {
       "old": lambda: jax.device_get(old(params, tokens, jax.random.key(0))),
-      "new": lambda: analyser.run(state, stream=log),
+      "new": lambda: analyser.run(state, stream=sys.stderr),  # the CLI's plan, bar and ETA
   }
-  first = {name: timed_value(call) for name, call in calls.items()}  # includes compilation
+  # Includes compilation.
+  first = {name: timed_value(call) for name, call in calls.items()} if warmup else {}
   rounds_s = {name: [] for name in calls}
+  rounds_cpu_s = {name: [] for name in calls}
   outputs = {}
   for _ in range(rounds):
     for name, call in calls.items():
+      cpu_started = time.process_time()
       seconds, outputs[name] = timed_value(call)
       rounds_s[name].append(seconds)
+      rounds_cpu_s[name].append(time.process_time() - cpu_started)
   median = {name: statistics.median(times) for name, times in rounds_s.items()}
   old_out, new_out = outputs["old"], outputs["new"]
   old_top = np.asarray(old_out["top"], np.float64)
@@ -193,9 +202,15 @@ def analysis_main(workdir, num_steps, num_probes, num_batches, rounds):
       "products": {"old": num_steps + num_probes * num_steps + num_probes,
                    "new": sum(new_out["products"].values())},
       "rounds": rounds, "rounds_s": rounds_s, "median_s": median,
+      # CPU seconds of all threads: on a shared machine whose other jobs may be paused or
+      # may pause this one, the ratio of these is the steadier measure.
+      "rounds_cpu_s": rounds_cpu_s,
+      "speedup_cpu": (statistics.median(rounds_cpu_s["old"]) /
+                      statistics.median(rounds_cpu_s["new"])),
+      "rounds_include_compilation": not warmup,
       "first_call_s_incl_compile": {name: value[0] for name, value in first.items()},
       "speedup": median["old"] / median["new"],
-      "speedup_incl_compile": first["old"][0] / first["new"][0],
+      "speedup_incl_compile": first["old"][0] / first["new"][0] if warmup else None,
       "new_seconds_per_stage_last_round": new_out["seconds"],
       "top_eigenvalues": {"old": old_top.tolist(), "new": new_top.tolist(),
                           "new_residual_bounds": bounds.tolist(),
@@ -209,8 +224,7 @@ def analysis_main(workdir, num_steps, num_probes, num_batches, rounds):
   result["trace"]["new_minus_old_hutchinson_in_combined_stderr"] = abs(
       result["trace"]["new"][0] - result["trace"]["old_hutchinson"][0]) / math.hypot(
           result["trace"]["new"][1], result["trace"]["old_hutchinson"][1])
-  path = REPO_ROOT / "results" / "bench" / "hessian_analysis.json"
-  with open(path, "w") as f:
+  with open(REPO_ROOT / "results" / "bench" / output, "w") as f:
     json.dump(result, f, indent=2)
   print(json.dumps({k: result[k] for k in ("products", "median_s", "speedup",
                                            "top_eigenvalues", "density_l1_old_vs_new",
@@ -220,8 +234,9 @@ def analysis_main(workdir, num_steps, num_probes, num_batches, rounds):
 MEMORY_STEPS = 20
 
 
-def lanczos_memory(size, num_layers=0, fsdp=8, hvp="recomputed", sharded_basis=True):
-  """Per-device memory of a MEMORY_STEPS-step Lanczos on the Hessian of `size`, from
+def lanczos_memory(size, num_layers=0, fsdp=8, hvp="recomputed", sharded_basis=True,
+                   num_steps=MEMORY_STEPS):
+  """Per-device memory of a num_steps-step Lanczos on the Hessian of `size`, from
   jax.jit(...).lower(abstract arrays).compile().memory_analysis() on an FSDP mesh."""
   from geonorm_jax import hessian_analysis, train  # pylint: disable=g-import-not-at-top
   overrides = [size, f"mesh.data=1,mesh.fsdp={fsdp},data.batch_size={fsdp},data.seq_len=128"]
@@ -232,10 +247,10 @@ def lanczos_memory(size, num_layers=0, fsdp=8, hvp="recomputed", sharded_basis=T
   params = train.sharded_abstract_state(setup)["params"]
   tokens = jax.ShapeDtypeStruct((1, config.data.batch_size, config.data.seq_len + 1), jnp.int32,
                                 sharding=setup.batch_sharding)
-  settings = hessian_analysis.Settings(num_steps=MEMORY_STEPS, hvp=hvp, top_k=1)
+  settings = hessian_analysis.Settings(num_steps=num_steps, hvp=hvp, top_k=1)
   analyser = hessian_analysis.Analyser(setup, settings)
   shardings = setup.state_shardings["params"] if sharded_basis else None
-  run = jax.jit(lambda p, t, k: hessian.lanczos(analyser._matvec(p, t), p, MEMORY_STEPS, k,  # pylint: disable=protected-access
+  run = jax.jit(lambda p, t, k: hessian.lanczos(analyser._matvec(p, t), p, num_steps, k,  # pylint: disable=protected-access
                                                 shardings=shardings).ritz_values)
   started = time.perf_counter()
   compiled = run.lower(params, tokens, jax.random.key(0)).compile()
@@ -245,10 +260,10 @@ def lanczos_memory(size, num_layers=0, fsdp=8, hvp="recomputed", sharded_basis=T
   fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
             "alias_size_in_bytes", "generated_code_size_in_bytes")
   per_device = {f: int(getattr(memory, f)) for f in fields}
-  basis_bytes = (MEMORY_STEPS + 1) * num_params * 4
+  basis_bytes = (num_steps + 1) * num_params * 4
   return {
       "size": size, "num_layers": config.model.num_layers, "num_params": num_params,
-      "mesh": {"fsdp": fsdp}, "hvp": hvp, "basis_sharded": sharded_basis,
+      "mesh": {"fsdp": fsdp}, "hvp": hvp, "num_steps": num_steps, "basis_sharded": sharded_basis,
       "per_device_bytes": per_device,
       "per_device_gib": {f: v / 2**30 for f, v in per_device.items()},
       "basis_gib_replicated": basis_bytes / 2**30,
@@ -257,7 +272,34 @@ def lanczos_memory(size, num_layers=0, fsdp=8, hvp="recomputed", sharded_basis=T
   }
 
 
-def memory_main(size, num_layers):
+def memory_main(size, num_layers, steps):
+  """One Lanczos per step count; with two, how many copies of the basis each device holds:
+  the growth of its temporaries per added step over one basis row's shard."""
+  if len(steps) > 1:
+    runs = [lanczos_memory(size, num_layers, num_steps=s) for s in steps]
+    first, last = runs[0], runs[-1]
+    row_per_device = first["num_params"] * 4 / first["mesh"]["fsdp"]
+    grown = (last["per_device_bytes"]["temp_size_in_bytes"] -
+             first["per_device_bytes"]["temp_size_in_bytes"])
+    copies = grown / ((last["num_steps"] - first["num_steps"]) * row_per_device)
+    fixed = (first["per_device_bytes"]["temp_size_in_bytes"] -
+             copies * (first["num_steps"] + 1) * row_per_device)
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "what": f"Lanczos at {steps} steps (hessian_estimators.lanczos with the parameters' "
+                "shardings), HVP recomputed, batch 8 x 128, compiled for 8 fake CPU devices "
+                "(FSDP): the basis copies per device and the part that does not grow with "
+                "the steps (the HVP's working set and the loop's vectors)",
+        "jax": jax.__version__, "runs": runs,
+        "basis_copies_per_device": copies,
+        "temp_gib_not_growing_with_steps": fixed / 2**30,
+        "unsharded_param_vector_gib": first["num_params"] * 4 / 2**30,
+    }
+    name = f"hessian_memory_{size}_{num_layers or 'full'}l_steps.json"
+    with open(REPO_ROOT / "results" / "bench" / name, "w") as f:
+      json.dump(result, f, indent=2)
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    return
   result = {
       "date": datetime.datetime.now().isoformat(timespec="seconds"),
       "what": f"{MEMORY_STEPS}-step Lanczos (hessian_estimators.lanczos with the parameters' "
@@ -306,14 +348,22 @@ if __name__ == "__main__":
   parser.add_argument("--num_probes", type=int, default=8)
   parser.add_argument("--num_batches", type=int, default=4)
   parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--warmup", type=int, choices=(0, 1), default=1, help="--analysis: 0 "
+                      "skips the untimed first call, so the rounds include compilation")
+  parser.add_argument("--output", default="hessian_analysis.json",
+                      help="--analysis: file name under results/bench/")
   parser.add_argument("--size", default="llama2_7b")
   parser.add_argument("--num_layers", type=int, default=0, help="--memory: override the size's "
                       "depth (0: keep it)")
+  parser.add_argument("--memory_steps", default=str(MEMORY_STEPS), help="--memory: Lanczos "
+                      "steps; two (e.g. 4,20) measure the basis copies per device from the "
+                      "growth in between")
   args = parser.parse_args()
   if args.analysis:
-    analysis_main(args.analysis, args.num_steps, args.num_probes, args.num_batches, args.rounds)
+    analysis_main(args.analysis, args.num_steps, args.num_probes, args.num_batches, args.rounds,
+                  args.warmup, args.output)
   elif args.memory:
     jax.config.update("jax_num_cpu_devices", 8)
-    memory_main(args.size, args.num_layers)
+    memory_main(args.size, args.num_layers, [int(s) for s in args.memory_steps.split(",")])
   else:
     main()

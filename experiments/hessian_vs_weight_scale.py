@@ -47,6 +47,7 @@ from flax import nnx
 
 from geonorm_jax import config as config_lib
 from geonorm_jax import hessian, losses, metrics, paths, train
+from geonorm_jax.hessian_progress import HessianProgress, Stage
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -113,11 +114,12 @@ def in_scope(path, maps):
   return maps is None or any(path.startswith(m + ".") for m in maps)
 
 
-def make_measure(setup, tokens_BxL1):
+def make_measure(setup, tokens_BxL1, progress=None):
   """jit(params, scales, mask, key): lambda_max and residual bound of every quantity.
 
   `scales` and `mask` are dicts path -> scalar over the linear maps' leaves, so one
-  compilation serves every scope and every c.
+  compilation serves every scope and every c. `progress(count)` is called after every
+  product of every Lanczos run (a HessianProgress).
   """
   graphdef = setup.graphdef
   batch, length = tokens_BxL1.shape[0], tokens_BxL1.shape[1] - 1
@@ -139,47 +141,68 @@ def make_measure(setup, tokens_BxL1):
       loss_of_delta = lambda d, tap=tap: losses.lm_loss(nnx.merge(graphdef, scaled),
                                                         tokens_BxL1, perturb={tap: d})
       out[tap] = top(hessian.lanczos(hessian.activation_matvec(loss_of_delta, like), like,
-                                     NUM_STEPS, key))
+                                     NUM_STEPS, key, progress=progress))
     loss_fn = lambda p, t: losses.lm_loss(nnx.merge(graphdef, p), t)
     block_matvec, like = hessian.subset_matvec(loss_fn, scaled, LINEAR, tokens_BxL1)
     masked = lambda v: {k: mask[k] * h for k, h in block_matvec(
         {k: mask[k] * x for k, x in v.items()}).items()}
-    out["params"] = top(hessian.lanczos(masked, like, NUM_STEPS, key))
+    out["params"] = top(hessian.lanczos(masked, like, NUM_STEPS, key, progress=progress))
     out["loss"] = loss_fn(scaled, tokens_BxL1)  # saturation and breakage show up here
     return out
 
   return jax.jit(measure)
 
 
+RUNS_PER_MEASURE = 5  # four activation taps and the parameter block
+
+
 def measure_placement(name, setup, params, tokens_BxL1):
   paths = linear_paths(params)
-  measure = make_measure(setup, tokens_BxL1)
+  products = RUNS_PER_MEASURE * NUM_STEPS * len(SCALES)
+  # The plan, the estimated time after the first product and a bar with an ETA, as the CLI's
+  # `hessian` command prints them.
+  progress = HessianProgress(
+      [Stage(scope, f"{len(SCALES)} scales x {RUNS_PER_MEASURE} Lanczos, {NUM_STEPS} steps",
+             products) for scope in SCOPES], f"Hessian vs weight scale [{name}]")
+  measure = make_measure(setup, tokens_BxL1, progress)
   key = jax.random.key(0)
   rows = []
-  for scope, maps in SCOPES.items():
-    mask = {p: jnp.float32(in_scope(p, maps)) for p in paths}
-    for c in SCALES:
-      scales = {p: jnp.float32(c if in_scope(p, maps) else 1.0) for p in paths}
-      started = time.perf_counter()
-      out = jax.device_get(measure(params, scales, mask, key))
-      for tap_map in TAP_MAPS:
-        if maps is not None and tap_map not in maps:
-          continue  # a tap of a map this scope does not scale: not part of the question
-        for kind in ("in", "out"):
-          value, bound = out[f"{tap_map}.{kind}"]
-          rows.append(dict(placement=name, scope=scope, c=c, quantity=f"act_{kind}",
-                           where=f"{tap_map}.{kind}", lambda_max=float(value),
-                           residual_bound=float(bound), loss=float(out["loss"])))
-      value, bound = out["params"]
-      rows.append(dict(placement=name, scope=scope, c=c, quantity="params",
-                       where="+".join(maps) if maps else "all linear maps",
-                       lambda_max=float(value), residual_bound=float(bound),
-                       loss=float(out["loss"])))
-      print(f"[{name}] scope={scope} c={c}: "
-            + ", ".join(f"{r['quantity']}@{r['where']}={r['lambda_max']:.4g}"
-                        for r in rows if r["scope"] == scope and r["c"] == c)
-            + f", loss={float(out['loss']):.3f} ({time.perf_counter() - started:.1f} s)",
-            flush=True)
+  progress.start()
+  try:
+    for scope, maps in SCOPES.items():
+      progress.stage(scope)
+      rows += _measure_scope(name, scope, maps, measure, params, paths, key, progress)
+  finally:
+    jax.effects_barrier()  # the last progress callbacks have run
+    progress.close()
+  return rows
+
+
+def _measure_scope(name, scope, maps, measure, params, paths, key, progress):
+  """The rows of one scope: every scale c, one compiled call each."""
+  rows = []
+  mask = {p: jnp.float32(in_scope(p, maps)) for p in paths}
+  for c in SCALES:
+    scales = {p: jnp.float32(c if in_scope(p, maps) else 1.0) for p in paths}
+    started = time.perf_counter()
+    out = jax.device_get(measure(params, scales, mask, key))
+    for tap_map in TAP_MAPS:
+      if maps is not None and tap_map not in maps:
+        continue  # a tap of a map this scope does not scale: not part of the question
+      for kind in ("in", "out"):
+        value, bound = out[f"{tap_map}.{kind}"]
+        rows.append(dict(placement=name, scope=scope, c=c, quantity=f"act_{kind}",
+                         where=f"{tap_map}.{kind}", lambda_max=float(value),
+                         residual_bound=float(bound), loss=float(out["loss"])))
+    value, bound = out["params"]
+    rows.append(dict(placement=name, scope=scope, c=c, quantity="params",
+                     where="+".join(maps) if maps else "all linear maps",
+                     lambda_max=float(value), residual_bound=float(bound),
+                     loss=float(out["loss"])))
+    progress.message(f"[{name}] scope={scope} c={c}: "
+                     + ", ".join(f"{r['quantity']}@{r['where']}={r['lambda_max']:.4g}"
+                                 for r in rows if r["scope"] == scope and r["c"] == c)
+                     + f", loss={float(out['loss']):.3f} ({time.perf_counter() - started:.1f} s)")
   return rows
 
 

@@ -15,6 +15,7 @@ from flax import nnx
 from geonorm_jax import norms, placements
 from geonorm_jax.layers import (Linear, NgptScale, Norm, apply_rope, constant, param,
                                 rope_cos_sin, tap)
+from geonorm_jax.sharding import constrain
 from geonorm_jax.spec import ModelSpec, resolve
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -27,6 +28,10 @@ def compute_dtype(spec):
 def init_std(spec, role, layer=None):
   """The std of one weight's normal init: the placement's rule (init_rules.py)."""
   return placements.get_placement(spec.placement).init_std(spec, role, layer)
+
+
+# The residual stream: split over the batch only (its width is what FSDP splits in weights).
+_STREAM_AXES = ("batch", "length", None)
 
 
 def attention_impl(spec):
@@ -101,6 +106,9 @@ class Attention(nnx.Module):
     q_BxLxHxK = _apply_optional(self.q_head_norm, q.reshape(batch, length, heads, hd))
     k_BxLxGxK = _apply_optional(self.k_head_norm, k.reshape(batch, length, kv_heads, hd))
     v_BxLxGxK = v.reshape(batch, length, kv_heads, hd)
+    q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "heads", "head_dim"))
+    k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "length", "kv", "head_dim"))
+    v_BxLxGxK = constrain(v_BxLxGxK, ("batch", "length", "kv", "head_dim"))
     scale = 1.0 / math.sqrt(hd)
     if spec.uses_rope:
       cos, sin = rope_cos_sin(length, hd, spec.rope_theta)
@@ -200,6 +208,7 @@ class MLP(nnx.Module):
       hidden = jax.nn.silu(gate) * up
     else:
       hidden = jax.nn.gelu(up * self.ngpt_input_scale, approximate=True)
+    hidden = constrain(hidden, ("batch", "length", "mlp"))
     return _apply_optional(self.down_out_norm, self.down(hidden, perturb))
 
 
@@ -240,12 +249,14 @@ class Block(nnx.Module):
 
   def __call__(self, x_BxLxD, perturb=None):
     update = placements.get_placement(self.spec.placement).update
+    x_BxLxD = constrain(x_BxLxD, _STREAM_AXES)
     x_BxLxD = tap(perturb, f"blocks.{self.layer - 1}.input", x_BxLxD)
     attn_norms = placements.SublayerNorms(self.attn_in_norm, self.attn_out_norm)
     x_BxLxD = update(x_BxLxD, lambda h: self.attn(h, perturb), attn_norms,
                      self._context("attn", 1))
     mlp_norms = placements.SublayerNorms(self.mlp_in_norm, self.mlp_out_norm)
-    return update(x_BxLxD, lambda h: self.mlp(h, perturb), mlp_norms, self._context("mlp", 2))
+    x_BxLxD = update(x_BxLxD, lambda h: self.mlp(h, perturb), mlp_norms, self._context("mlp", 2))
+    return constrain(x_BxLxD, _STREAM_AXES)
 
 
 def _array(parameter):
@@ -306,7 +317,7 @@ class Transformer(nnx.Module):
                               preferred_element_type=jnp.float32)
     if self.s_z is not None:
       logits_BxLxV = logits_BxLxV * self.s_z()
-    return logits_BxLxV
+    return constrain(logits_BxLxV, ("batch", "length", "vocab"))
 
   def __call__(self, tokens_BxL, perturb=None, return_streams=False):
     """Logits; with return_streams, also the residual stream entering each block and the last."""

@@ -3,7 +3,15 @@
 The model labels each parameter with logical axes (embed, heads, kv, mlp, vocab, ...); the
 rules below map them to mesh axes (data, fsdp, tensor). A dimension that the mapped mesh
 axes do not divide stays replicated, so one rule set serves a laptop and a pod.
+
+Activations get the same treatment: the model calls `constrain(x, logical_axes)` on its
+residual stream, attention heads, MLP hidden units and logits. Without these constraints
+GSPMD propagated the FSDP weight sharding into the activations and kept every device's
+activations for the whole batch (results/bench/memory.md). `constrain` does nothing outside
+an `activation_sharding(mesh, rules)` block, so a model called directly (tests, sampling)
+is unaffected.
 """
+import contextlib
 import os
 
 import jax
@@ -139,3 +147,27 @@ def data_parallel_size(axis_sizes, rules):
   `axis_sizes` is `mesh.shape` or any {axis name: size} mapping (before a mesh exists).
   """
   return int(np.prod([axis_sizes[a] for a in _as_tuple(rules.get("batch"))]))
+
+
+_ACTIVATION_MESH = []  # (mesh, rules) of the enclosing activation_sharding block, if any
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh, rules):
+  """Within this block (while a step is traced), `constrain` pins activations to the rules."""
+  _ACTIVATION_MESH.append((mesh, rules))
+  try:
+    yield
+  finally:
+    _ACTIVATION_MESH.pop()
+
+
+def constrain(x, logical_axes):
+  """x with its sharding pinned to its logical axes under the current rules; else x itself."""
+  if not _ACTIVATION_MESH:
+    return x
+  mesh, rules = _ACTIVATION_MESH[-1]
+  if mesh.size == 1:
+    return x
+  spec = logical_to_spec(logical_axes, x.shape, mesh, rules)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -150,7 +150,8 @@ def make_train_step(setup):
 
   def train_step(state, tokens_AxBxL1):
     params = state["params"]
-    loss, grads = _accumulated_grads(graphdef, params, tokens_AxBxL1)
+    with sharding_lib.activation_sharding(setup.mesh, setup.rules):
+      loss, grads = _accumulated_grads(graphdef, params, tokens_AxBxL1)
     updates, opt_state = optimizer.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
     if after_update is not None:  # e.g. nGPT's projection of every matrix onto the sphere
@@ -187,7 +188,8 @@ def make_eval_step(setup):
 
   def eval_step(params, tokens_AxBxL1):
     loss_fn = losses.params_loss(graphdef)
-    return jnp.mean(jax.lax.map(lambda t: loss_fn(params, t), tokens_AxBxL1))
+    with sharding_lib.activation_sharding(setup.mesh, setup.rules):
+      return jnp.mean(jax.lax.map(lambda t: loss_fn(params, t), tokens_AxBxL1))
   return jax.jit(eval_step, in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
 
 

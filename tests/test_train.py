@@ -6,7 +6,8 @@ import pytest
 
 from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
-from geonorm_jax import optim, train
+from geonorm_jax import model as model_lib, optim, train
+from geonorm_jax import sharding as sharding_lib
 
 SMALL = ("tiny,num_layers=2,d_model=32,num_heads=4,seq_len=32,max_seq_len=32,batch_size=16,"
          "train.progress_bar=false,warmup_steps=2,steps=10,lr=3e-3")
@@ -162,3 +163,25 @@ def test_flops_per_token_counts_the_head_matmul_once(tie):
   blocks_and_norms = 124_439_808 - 50257 * 768 - 1024 * 768
   expected = 6 * (blocks_and_norms + 50257 * 768) + 12 * 12 * 768 * 1024
   assert train.flops_per_token(setup, 1024) == expected
+
+
+def test_fsdp_keeps_each_devices_activations_to_its_own_rows(monkeypatch):
+  """Per-device temporaries of the train step on 8 FSDP devices: with the model's activation
+  constraints they shrink with the local batch; without them GSPMD kept the whole batch's
+  activations on every device (results/bench/memory.md)."""
+  config = config_lib.get_config(
+      "tiny,num_layers=2,d_model=64,num_heads=4,seq_len=128,max_seq_len=128,batch_size=32,"
+      "vocab_size=256,mesh.data=1,mesh.fsdp=8,train.progress_bar=false")
+
+  def temporaries():
+    setup = train.make_setup(config)
+    abstract = train.sharded_abstract_state(setup)
+    tokens = jax.ShapeDtypeStruct((1, 32, 129), jnp.int32, sharding=setup.batch_sharding)
+    compiled = train.make_train_step(setup).lower(abstract, tokens).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  constrained = temporaries()
+  monkeypatch.setattr(sharding_lib, "constrain", lambda x, logical_axes: x)
+  monkeypatch.setattr(model_lib, "constrain", lambda x, logical_axes: x)
+  unconstrained = temporaries()
+  assert constrained < 0.5 * unconstrained, (constrained, unconstrained)

@@ -28,6 +28,7 @@ from flax import nnx
 from geonorm_jax import checkpoint as checkpoint_lib
 from geonorm_jax import collapse
 from geonorm_jax import config as config_lib
+from geonorm_jax import convert
 from geonorm_jax import data as data_lib
 from geonorm_jax import hessian_callback
 from geonorm_jax import losses, metrics, optim, placements
@@ -65,6 +66,10 @@ def validate(config, num_devices=None):
   """Every config error, before any compilation: fields, model, optimizer, mesh and data."""
   validate_lib.check_fields(config)
   spec = spec_lib.resolve(config.model)
+  if spec.scan_layers and config.train.hessian_per_block:
+    raise ValueError("train.hessian_per_block=true selects each block's parameters by name "
+                     "(blocks.<i>.), which model.scan_layers=true stacks into one array; "
+                     "set one of them to false")
   optim.learning_rate_schedule(config.train)
   optim.parse_multipliers(config.train.lr_multipliers)
   rules = sharding_lib.parse_rules(config.mesh.rules)
@@ -138,6 +143,8 @@ def make_train_step(setup):
   after_update = placements.get_placement(setup.spec.placement).after_update
   with_layer_stats = setup.config.train.layer_stats_every > 0
   skip_nonfinite = setup.config.train.on_divergence == "skip"
+  # Per-layer numbers are grouped by `blocks.<i>.` names: a scanned model's are unstacked.
+  by_layer = convert.unstack_layers if setup.spec.scan_layers else (lambda tree: tree)
 
   def train_step(state, tokens_AxBxL1):
     params = state["params"]
@@ -157,14 +164,14 @@ def make_train_step(setup):
     step_metrics = {"loss": loss, "grad_norm": grad_norm,
                     "lr": schedule(state["step"]),
                     "nonfinite": 1.0 - finite.astype(jnp.float32)}
-    layer_grad_norms = metrics.per_layer_norms(grads)
+    layer_grad_norms = metrics.per_layer_norms(by_layer(grads))
     # Kept on the device and read only when a step diverges: which layer blew up.
     for layer, value in layer_grad_norms.items():
       step_metrics[f"{_DIAGNOSTIC_PREFIX}grad_norm/{layer}"] = value
     if with_layer_stats:
       for layer, value in layer_grad_norms.items():
         step_metrics[f"grad_norm/{layer}"] = value
-      for layer, value in metrics.update_ratio(updates, params).items():
+      for layer, value in metrics.update_ratio(by_layer(updates), by_layer(params)).items():
         step_metrics[f"update_ratio/{layer}"] = value
     return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, step_metrics
 
@@ -204,9 +211,9 @@ def make_stream_stats(setup):
     if final_norm is not None and final_norm.alpha is not None:  # DyT
       out["collapse/tanh_saturated_final"] = collapse.tanh_saturated(streams[-1],
                                                                      final_norm.alpha[...])
-      for index, block in enumerate(model.blocks):
+      for index in range(setup.spec.num_layers):
         out[f"collapse/tanh_saturated_attn_in/layer_{index:02d}"] = collapse.tanh_saturated(
-            streams[index], block.attn_in_norm.alpha[...])
+            streams[index], model.block(index).attn_in_norm.alpha[...])
     return out
   return jax.jit(stats, in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
 

@@ -12,18 +12,18 @@ from geonorm_jax import model as model_lib
 from geonorm_jax import spec as spec_lib
 from geonorm_jax import train
 
-# Layer-dependent numbers each case exercises under the scan: GeoNorm's alpha_k (per block and
-# per sublayer), LNS's 1/sqrt(l), DeepNorm's constant and init, SimpleNorm's depth-scaled
-# init, nGPT's sublayer scales, DyT's per-site alpha, scaled_pre's parameters, RoPE + GQA.
+# Layer-dependent numbers each case exercises under the scan: GeoNorm's alpha_k (per block, and
+# per sublayer with a clamp), LNS's 1/sqrt(l) with remat, nGPT's sublayer scales and unit q/k,
+# SimpleNorm's depth-scaled init and QK-norm, DyT's per-site alpha; RoPE + GQA on llama,
+# learned positions on gpt2. (Constants equal in every block, as DeepNorm's, stay static.)
 CASES = [
     "placement=geonorm,geo_schedule=harmonic",
-    "placement=geonorm,geo_schedule=linear_paper,geo_counter=sublayers,geo_theta_max=0.5",
-    "placement=lns,backbone=llama",
-    "placement=deepnorm",
-    "placement=simplenorm,backbone=llama,qk_norm=true",
+    "placement=lns,backbone=llama,remat=true",
     "placement=ngpt,backbone=llama",
-    "placement=dyt",
-    "placement=scaled_pre,remat=true",
+    "placement=simplenorm,qk_norm=true",
+    pytest.param("placement=geonorm,geo_schedule=linear_paper,geo_counter=sublayers,"
+                 "geo_theta_max=0.5,backbone=llama", marks=pytest.mark.slow),
+    pytest.param("placement=dyt,backbone=llama", marks=pytest.mark.slow),
 ]
 
 
@@ -41,40 +41,41 @@ def both_layouts(arg, seed=5):
   return unrolled, scanned
 
 
-def _tokens(shape=(2, 11), seed=0):
+def _tokens(shape=(2, 9), seed=0):
   return jnp.asarray(np.random.default_rng(seed).integers(0, 64, shape), jnp.int32)
 
 
-def _loss_and_grads(model, tokens, perturb_like=None):
-  """Loss, parameter gradients (unrolled layout) and the gradient w.r.t. two taps."""
+def _forward_and_gradients(model, tokens):
+  """Logits, streams, loss, parameter gradients (unrolled layout), gradients at two taps."""
   graphdef, params = nnx.split(model)
-  taps = {"blocks.1.attn.q.in": perturb_like, "blocks.2.input": perturb_like}
+  like = jnp.zeros((tokens.shape[0], tokens.shape[1] - 1, model.spec.d_model), jnp.float32)
+  taps = {"blocks.1.attn.q.in": like, "blocks.2.input": like}
 
-  def loss_fn(params, taps):
-    return losses.lm_loss(nnx.merge(graphdef, params), tokens, perturb=taps)
-  loss, (grads, tap_grads) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(params, taps)
+  @jax.jit
+  def run(params, taps):
+    def loss_fn(params, taps):
+      return losses.lm_loss(nnx.merge(graphdef, params), tokens, perturb=taps)
+    loss, grads = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, taps)
+    logits, streams = nnx.merge(graphdef, params)(tokens[:, :-1], return_streams=True)
+    return logits, streams, loss, grads
+  logits, streams, loss, (grads, tap_grads) = run(params, taps)
   if model.spec.scan_layers:
     grads = convert.unstack_layers(grads)
-  return loss, grads, tap_grads
+  return logits, streams, loss, grads, tap_grads
 
 
 @pytest.mark.parametrize("arg", CASES)
 def test_same_parameters_give_the_same_logits_loss_and_gradients(arg):
   unrolled, scanned = both_layouts(arg)
   tokens = _tokens()
-  forward = nnx.jit(lambda m, t: m(t, return_streams=True))
-  logits_u, streams_u = forward(unrolled, tokens[:, :-1])
-  logits_s, streams_s = forward(scanned, tokens[:, :-1])
+  logits_u, streams_u, loss_u, grads_u, taps_u = _forward_and_gradients(unrolled, tokens)
+  logits_s, streams_s, loss_s, grads_s, taps_s = _forward_and_gradients(scanned, tokens)
   np.testing.assert_allclose(logits_s, logits_u, rtol=1e-5, atol=1e-5)
   assert len(streams_s) == len(streams_u) == 4
   for stream_s, stream_u in zip(streams_s, streams_u):
     np.testing.assert_allclose(stream_s, stream_u, rtol=1e-5, atol=1e-5)
   # The blocks change the stream, so equal logits are not the embedding's alone.
   assert float(jnp.abs(streams_u[3] - streams_u[0]).max()) > 1e-2
-
-  like = jnp.zeros((2, 10, 32), jnp.float32)
-  loss_u, grads_u, taps_u = _loss_and_grads(unrolled, tokens, like)
-  loss_s, grads_s, taps_s = _loss_and_grads(scanned, tokens, like)
   np.testing.assert_allclose(loss_s, loss_u, rtol=1e-6)
   flat_u = dict(nnx.to_flat_state(grads_u))
   flat_s = dict(nnx.to_flat_state(grads_s))
@@ -127,15 +128,15 @@ def test_ngpt_projection_normalises_each_stacked_matrix_as_its_own():
 def _train_config(arg):
   return config_lib.get_config(
       "tiny,num_layers=3,d_model=32,num_heads=4,seq_len=16,batch_size=8,steps=3,lr=3e-3,"
+      "init_std=0.3,"
       "warmup_steps=1,layer_stats_every=1," + arg)
 
 
-@pytest.mark.parametrize("placement", ["geonorm", pytest.param("ngpt", marks=pytest.mark.slow)])
-def test_training_steps_give_the_same_losses(placement):
+def test_training_steps_give_the_same_losses_and_statistics():
   results = {}
   for layout in ("false", "true"):
-    config = _train_config(f"placement={placement},scan_layers={layout}")
-    setup = train.make_setup(config, jax.devices()[:1])
+    setup = train.make_setup(_train_config(f"placement=geonorm,scan_layers={layout}"),
+                             jax.devices()[:1])
     state = train.init_state(setup)
     step = train.make_train_step(setup)
     rng = np.random.default_rng(0)
@@ -144,26 +145,25 @@ def test_training_steps_give_the_same_losses(placement):
       tokens = train.global_batch(setup, {"tokens": rng.integers(0, 256, (8, 17))})
       state, step_metrics = step(state, tokens)
       history.append(jax.device_get(step_metrics))
+    # The per-layer stream statistics (and collapse diagnostics) on the trained state.
+    history.append(jax.device_get(train.make_stream_stats(setup)(state["params"], tokens)))
     results[layout] = history
+  assert "grad_norm/layer_02" in results["true"][0]
+  assert "update_ratio/layer_02" in results["true"][0]
+  assert "stream_angle/layer_02" in results["true"][-1]
   for unrolled, scanned in zip(results["false"], results["true"]):
     assert unrolled.keys() == scanned.keys()
-    assert "grad_norm/layer_02" in scanned and "update_ratio/layer_02" in scanned
     for name, value in unrolled.items():
       np.testing.assert_allclose(scanned[name], value, rtol=2e-4, atol=1e-6, err_msg=name)
 
 
-def test_stream_statistics_under_scan_match_the_unrolled_ones():
-  values = {}
-  for layout in ("false", "true"):
-    setup = train.make_setup(_train_config(f"placement=dyt,scan_layers={layout}"),
-                             jax.devices()[:1])
-    params = train.init_state(setup)["params"]
-    tokens = train.global_batch(setup, {"tokens": np.arange(8 * 17).reshape(8, 17) % 256})
-    values[layout] = jax.device_get(train.make_stream_stats(setup)(params, tokens))
-  assert values["false"].keys() == values["true"].keys()
-  assert "collapse/tanh_saturated_attn_in/layer_02" in values["true"]
-  for name, value in values["false"].items():
-    np.testing.assert_allclose(values["true"][name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+def test_a_block_of_the_stacked_model_reads_as_the_unrolled_block():
+  unrolled, scanned = both_layouts("placement=dyt")
+  for index in range(3):
+    for a, b in zip(jax.tree.leaves(nnx.state(scanned.block(index))),
+                    jax.tree.leaves(nnx.state(unrolled.block(index)))):
+      np.testing.assert_array_equal(a, b)
+  assert unrolled.block(1) is unrolled.blocks[1]
 
 
 def test_what_the_scan_cannot_run_is_refused_naming_the_field():

@@ -34,8 +34,10 @@ prefill_trace_count = 0
 decode_trace_count = 0
 
 
-def _choose(logits_V, key, temperature, top_k):
-  """The next token: argmax at temperature 0, else a sample among the top_k (0: all)."""
+def _choose(logits_V, base_key, index, temperature, top_k):
+  """Token `index` of the call: argmax at temperature 0, else a sample among the top_k (0: all)
+  with the key folded from the seed's and the index, the same on both paths."""
+  key = jax.random.fold_in(base_key, index)
   logits_V = logits_V.astype(jnp.float32)
   if top_k > 0:
     kth_largest = jax.lax.top_k(logits_V, top_k)[0][-1]
@@ -62,8 +64,8 @@ def _append(buffer_1xC, num_filled, token):
 _append_jit = jax.jit(_append)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "top_k"))
-def _sample_step(graphdef, params, buffer_1xC, num_filled, key, temperature, *, top_k):
+def _sample_step(graphdef, params, buffer_1xC, num_filled, base_key, index, temperature, *,
+                 top_k):
   """Samples the token after the `num_filled` tokens in the buffer and appends it."""
   global step_trace_count
   step_trace_count += 1
@@ -71,12 +73,11 @@ def _sample_step(graphdef, params, buffer_1xC, num_filled, key, temperature, *, 
   # Causal attention: slots after num_filled hold padding that cannot reach this position.
   logits_1xCxV = model(buffer_1xC)
   logits_V = jax.lax.dynamic_index_in_dim(logits_1xCxV[0], num_filled - 1, keepdims=False)
-  token = _choose(logits_V, key, temperature, top_k)
+  token = _choose(logits_V, base_key, index, temperature, top_k)
   return (*_append(buffer_1xC, num_filled, token), token)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "top_k"))
-def _prefill_step(graphdef, params, buffer_1xC, num_filled, key, temperature, *, top_k):
+def _prefill_step(graphdef, params, buffer_1xC, num_filled, base_key, temperature, *, top_k):
   """The window's caches and the token after its `num_filled` tokens (the same forward pass
   as _sample_step's: the padding slots' keys and values are overwritten before any read)."""
   global prefill_trace_count
@@ -84,22 +85,34 @@ def _prefill_step(graphdef, params, buffer_1xC, num_filled, key, temperature, *,
   model = nnx.merge(graphdef, params)
   logits_1xCxV, caches = model.prefill(buffer_1xC)
   logits_V = jax.lax.dynamic_index_in_dim(logits_1xCxV[0], num_filled - 1, keepdims=False)
-  return caches, _choose(logits_V, key, temperature, top_k)
+  return caches, _choose(logits_V, base_key, 0, temperature, top_k)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "top_k"),
-                   donate_argnames=("caches", "buffer_1xC"))
-def _decode_step(graphdef, params, caches, buffer_1xC, token, position, key, temperature, *,
-                 top_k):
+def _decode_step(graphdef, params, caches, buffer_1xC, token, position, base_key, index,
+                 temperature, *, top_k):
   """`token` enters at `position` (< C): into the buffer, and as keys and values into the
-  caches. Returns both and the token after it."""
+  caches. Returns both, the token after it (the call's token `index`) and position + 1."""
   global decode_trace_count
   decode_trace_count += 1
   model = nnx.merge(graphdef, params)
   logits_1x1xV, caches = model.decode(token.reshape(1, 1), caches, position)
   buffer_1xC = jax.lax.dynamic_update_index_in_dim(
       buffer_1xC, token.astype(buffer_1xC.dtype)[None], position, axis=1)
-  return caches, buffer_1xC, _choose(logits_1x1xV[0, 0], key, temperature, top_k)
+  token = _choose(logits_1x1xV[0, 0], base_key, index, temperature, top_k)
+  return caches, buffer_1xC, token, position + 1
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_steps(graphdef, top_k):
+  """(full-window, prefill, decode) steps, jitted for one model structure and top_k.
+
+  Built once per structure and reused by every call: hashing a graphdef takes milliseconds,
+  which passing it as a static jit argument would pay on every token.
+  """
+  def bind(step, **jit_options):
+    return jax.jit(functools.partial(step, graphdef, top_k=top_k), **jit_options)
+  # The decode step updates the caches and the buffer (arguments 1 and 2) in place.
+  return bind(_sample_step), bind(_prefill_step), bind(_decode_step, donate_argnums=(1, 2))
 
 
 def generate(model, prompt_tokens, num_tokens, *, temperature=0.8, top_k=0, seed=0,
@@ -141,36 +154,32 @@ def generate(model, prompt_tokens, num_tokens, *, temperature=0.8, top_k=0, seed
   temperature = jnp.asarray(temperature, jnp.float32)
   graphdef, params = nnx.split(model)
   base_key = jax.random.key(seed)
-  top_k = int(top_k)
   if num_tokens <= 0:
     return np.zeros((0,), np.int32)
+  sample_step, prefill_step, decode_step = _compiled_steps(graphdef, int(top_k))
   # Tokens stay on the device until the end, so steps are dispatched without waiting.
-  first_key = jax.random.fold_in(base_key, 0)
   if use_cache:
-    caches, token = _prefill_step(graphdef, params, buffer_1xC, num_filled, first_key,
-                                  temperature, top_k=top_k)
-    position = prompt.size  # where `token` goes; the cache is read while it is < capacity
+    caches, token = prefill_step(params, buffer_1xC, num_filled, base_key, temperature)
+    room = capacity - prompt.size  # decode steps before the window is full
+    position = num_filled  # where `token` goes
   else:
-    buffer_1xC, num_filled, token = _sample_step(graphdef, params, buffer_1xC, num_filled,
-                                                 first_key, temperature, top_k=top_k)
+    buffer_1xC, num_filled, token = sample_step(params, buffer_1xC, num_filled, base_key,
+                                                np.int32(0), temperature)
   tokens = [token]
   for index in range(1, num_tokens):
-    key = jax.random.fold_in(base_key, index)
-    if use_cache and position < capacity:
-      caches, buffer_1xC, token = _decode_step(
-          graphdef, params, caches, buffer_1xC, token, jnp.asarray(position, jnp.int32), key,
-          temperature, top_k=top_k)
-      position += 1
+    if use_cache and room > 0:
+      caches, buffer_1xC, token, position = decode_step(
+          params, caches, buffer_1xC, token, position, base_key, np.int32(index), temperature)
+      room -= 1
     else:
       if use_cache:
         # The window is full: from here on, the uncached path's sliding steps (see above).
-        buffer_1xC, num_filled = _append_jit(buffer_1xC, jnp.asarray(capacity, jnp.int32),
-                                             token)
+        buffer_1xC, num_filled = _append_jit(buffer_1xC, position, token)
         use_cache, caches = False, None
-      buffer_1xC, num_filled, token = _sample_step(graphdef, params, buffer_1xC, num_filled,
-                                                   key, temperature, top_k=top_k)
+      buffer_1xC, num_filled, token = sample_step(params, buffer_1xC, num_filled, base_key,
+                                                  np.int32(index), temperature)
     tokens.append(token)
-  return np.asarray(jnp.stack(tokens), dtype=np.int32)
+  return np.asarray(jax.device_get(tokens), dtype=np.int32)
 
 
 def generate_text(model, config, prompt, num_tokens, **sampling):

@@ -13,6 +13,7 @@ advance) and counts it.
 """
 import collections
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -28,7 +29,6 @@ from flax import nnx
 from geonorm_jax import checkpoint as checkpoint_lib
 from geonorm_jax import collapse
 from geonorm_jax import config as config_lib
-from geonorm_jax import convert
 from geonorm_jax import data as data_lib
 from geonorm_jax import hessian_callback
 from geonorm_jax import losses, metrics, optim, placements
@@ -143,8 +143,7 @@ def make_train_step(setup):
   after_update = placements.get_placement(setup.spec.placement).after_update
   with_layer_stats = setup.config.train.layer_stats_every > 0
   skip_nonfinite = setup.config.train.on_divergence == "skip"
-  # Per-layer numbers are grouped by `blocks.<i>.` names: a scanned model's are unstacked.
-  by_layer = convert.unstack_layers if setup.spec.scan_layers else (lambda tree: tree)
+  layer_norms = functools.partial(_per_layer_norms, scan_layers=setup.spec.scan_layers)
 
   def train_step(state, tokens_AxBxL1):
     params = state["params"]
@@ -164,19 +163,36 @@ def make_train_step(setup):
     step_metrics = {"loss": loss, "grad_norm": grad_norm,
                     "lr": schedule(state["step"]),
                     "nonfinite": 1.0 - finite.astype(jnp.float32)}
-    layer_grad_norms = metrics.per_layer_norms(by_layer(grads))
+    layer_grad_norms = layer_norms(grads)
     # Kept on the device and read only when a step diverges: which layer blew up.
     for layer, value in layer_grad_norms.items():
       step_metrics[f"{_DIAGNOSTIC_PREFIX}grad_norm/{layer}"] = value
     if with_layer_stats:
       for layer, value in layer_grad_norms.items():
         step_metrics[f"grad_norm/{layer}"] = value
-      for layer, value in metrics.update_ratio(by_layer(updates), by_layer(params)).items():
-        step_metrics[f"update_ratio/{layer}"] = value
+      update_norms, param_norms = layer_norms(updates), layer_norms(params)
+      for layer, value in update_norms.items():  # as metrics.update_ratio
+        step_metrics[f"update_ratio/{layer}"] = value / jnp.maximum(
+            param_norms[layer], jnp.finfo(jnp.float32).tiny)
     return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, step_metrics
 
   return jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                  out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+
+def _per_layer_norms(tree, scan_layers):
+  """metrics.per_layer_norms; under model.scan_layers each stacked leaf is reduced along its
+  `layers` axis once, instead of being sliced into T arrays (T x leaves ops to compile)."""
+  if not scan_layers:
+    return metrics.per_layer_norms(tree)
+  flat = nnx.to_flat_state(tree)
+  norms = metrics.per_layer_norms(nnx.from_flat_state([(p, v) for p, v in flat
+                                                       if p[0] != "blocks"]))
+  sum_sq_T = sum(jnp.sum(jnp.square(v[...].astype(jnp.float32)), axis=tuple(range(1, v.ndim)))
+                 for p, v in flat if p[0] == "blocks")
+  for index in range(sum_sq_T.shape[0]):
+    norms[metrics.default_layer_of_path(f"blocks.{index}")] = jnp.sqrt(sum_sq_T[index])
+  return norms
 
 
 def make_eval_step(setup):

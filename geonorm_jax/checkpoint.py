@@ -176,6 +176,16 @@ def differing_fields(stored: Mapping[str, Any], expected: Mapping[str, Any]) -> 
   return lines
 
 
+def _layout_hint(differences) -> str:
+  """model.scan_layers is a different parameter layout, not a different model: say how to
+  move between them."""
+  if not any(line.startswith("model.scan_layers:") for line in differences):
+    return ""
+  return ("\nmodel.scan_layers stacks the blocks' parameters along one `layers` axis, so the "
+          "two layouts cannot restore each other; geonorm_jax.convert.stack_layers / "
+          "unstack_layers convert parameters between them.")
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
   """Writes via a temporary file and a rename: never half a file, and a symlink at `path`
   is replaced by the file rather than followed out of the workdir."""
@@ -436,6 +446,7 @@ class Checkpointer:
       raise IncompatibleCheckpointError(
           f"Checkpoint {step_dir} was written with a different config; these fields differ:\n  "
           + "\n  ".join(differences)
+          + _layout_hint(differences)
           + f"\nUse a fresh workdir, or rerun with the old config ({old_config})."
           " Nothing was deleted."
       )

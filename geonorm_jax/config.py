@@ -41,6 +41,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   # (blocks of queries that skip the masked keys) | cudnn (fused kernel, NVIDIA GPUs only).
   # Every choice computes the same function; they differ in speed (results/bench/train.json).
   model.attention = "auto"
+  # One block's parameters stacked along a leading `layers` axis and the blocks run as a
+  # lax.scan: compile time no longer grows with depth (MaxText's scan_layers). Changes the
+  # checkpoint layout (convert.stack_layers / unstack_layers move between the two).
+  model.scan_layers = False
   # Each placement's own fields (geo_*, mixln_fraction, ngpt_alpha_init, dyt_alpha_*, ...)
   # are declared by its registry entry in placements.py and added here.
   for name, option in placements.all_options().items():

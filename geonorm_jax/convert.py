@@ -1,4 +1,5 @@
-"""Hugging Face GPT-2 and LLaMA checkpoints -> our Pre-LN `Transformer`.
+"""Hugging Face GPT-2 and LLaMA checkpoints -> our Pre-LN `Transformer`; our parameters
+between the unrolled and the `model.scan_layers` layout (`stack_layers`, `unstack_layers`).
 
     state_dict = convert.to_numpy(hf_model.state_dict())
     config, model = convert.from_hf_llama(state_dict, hf_model.config)
@@ -9,6 +10,7 @@ one of our parameters is filled from exactly one HF tensor: a missing key, a sha
 or a left-over HF tensor raises, naming the HF key. The model is assembled from the abstract
 parameter tree, so no random weights are drawn (or allocated twice) for a large checkpoint.
 """
+import collections
 import dataclasses
 
 import jax.numpy as jnp
@@ -267,3 +269,60 @@ def from_hf_llama(state_dict, hf_config):
   config = llama_config(hf_config)
   sources = _llama_sources(resolve(config.model))
   return config, _load(config, state_dict, sources, "model.", _llama_ignorable)
+
+
+# --- Our two layouts (model.scan_layers) -----------------------------------------------------
+
+
+def _is_stacked(variable):
+  return tuple(variable.get_metadata().get("logical_axes") or ())[:1] == ("layers",)
+
+
+def stack_layers(state):
+  """The unrolled layout (`blocks.<i>.attn.q.kernel`) -> the scan_layers one
+  (`blocks.attn.q.kernel`, block i at index i of a leading `layers` axis).
+
+  Takes any nnx.State laid out like the parameters (Adam's moments too), inside jit or not;
+  `nnx.merge(graphdef_of_a_scan_layers_model, stack_layers(params))` is the same model.
+  """
+  per_name, others = collections.defaultdict(dict), []
+  for path, variable in nnx.to_flat_state(state):
+    if path[0] != "blocks":
+      others.append((path, variable))
+    elif _is_stacked(variable):
+      raise ValueError(f"{_path_name(path)} is already stacked along `layers`: the state is in "
+                       "the scan_layers layout")
+    else:
+      per_name[path[2:]][int(path[1])] = variable
+  counts = {len(layers) for layers in per_name.values()}
+  if len(counts) > 1:
+    raise ValueError("the blocks hold different parameters, so they cannot be stacked (is this "
+                     "a Mix-LN model? its blocks differ)")
+  stacked = []
+  for rest, layers in per_name.items():
+    if sorted(layers) != list(range(len(layers))):
+      raise ValueError(f"blocks.*.{_path_name(rest)}: block indices {sorted(layers)} are not "
+                       "0..T-1")
+    first = layers[0]
+    axes = tuple(first.get_metadata().get("logical_axes") or ())
+    value = jnp.stack([layers[i][...] for i in range(len(layers))])
+    stacked.append((("blocks",) + rest, first.replace(value, logical_axes=("layers",) + axes)))
+  return nnx.from_flat_state(others + stacked)
+
+
+def unstack_layers(state):
+  """The scan_layers layout -> the unrolled one: the inverse of stack_layers."""
+  out = []
+  for path, variable in nnx.to_flat_state(state):
+    if path[0] != "blocks":
+      out.append((path, variable))
+      continue
+    if not _is_stacked(variable):
+      raise ValueError(f"{_path_name(path)} has no leading `layers` axis: the state is not in "
+                       "the scan_layers layout")
+    axes = tuple(variable.get_metadata()["logical_axes"])[1:]
+    value = variable[...]
+    for index in range(value.shape[0]):
+      out.append((("blocks", index) + path[1:],
+                  variable.replace(value[index], logical_axes=axes)))
+  return nnx.from_flat_state(out)

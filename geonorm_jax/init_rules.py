@@ -61,8 +61,13 @@ def simplenorm_std(spec, role, layer=None):
 
 
 def _embed_axis(variable):
-  axes = variable.get_metadata().get("logical_axes") or ()
-  return axes.index("embed") if "embed" in axes and len(axes) == 2 else None
+  """The `embed` axis of a matrix (stacked along a leading `layers` axis or not), else None."""
+  axes = tuple(variable.get_metadata().get("logical_axes") or ())
+  stacked = axes[:1] == ("layers",)
+  matrix_axes = axes[1:] if stacked else axes
+  if "embed" not in matrix_axes or len(matrix_axes) != 2:
+    return None
+  return matrix_axes.index("embed") + int(stacked)
 
 
 def normalize_ngpt_weights(state):

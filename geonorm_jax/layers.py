@@ -7,7 +7,8 @@ Parameters are float32; each layer casts them to the compute dtype at use.
 Softmax, norm statistics and logits are float32.
 
 `perturb` is a dict {tap name: array} added at named activations (a zero perturbation there
-gives the Hessian w.r.t. that activation); taps are `<linear name>.in` and `<linear name>.out`.
+gives the Hessian w.r.t. that activation); taps are `<linear name>.in` and `<linear name>.out`,
+a block's linear names relative to the block (`attn.q`): model.py adds the `blocks.<i>.` prefix.
 """
 
 import jax
@@ -76,10 +77,12 @@ class Norm(nnx.Module):
     raise ValueError(f"unknown norm kind {self.kind!r}")
 
 
-def rope_cos_sin(seq_len, head_dim, theta):
-  """Rotary tables in the rotate-half layout of Hugging Face LLaMA: (L, head_dim) each."""
+def rope_cos_sin(seq_len, head_dim, theta, start=0):
+  """Rotary tables in the rotate-half layout of Hugging Face LLaMA: (L, head_dim) each, for
+  positions start..start+L-1 (`start` may be traced: a decoding step's position)."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles_LxH = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  positions_L = jnp.arange(seq_len, dtype=jnp.float32) + jnp.asarray(start, jnp.float32)
+  angles_LxH = positions_L[:, None] * inv_freq[None, :]
   angles_LxD = jnp.concatenate([angles_LxH, angles_LxH], axis=-1)
   return jnp.cos(angles_LxD), jnp.sin(angles_LxD)
 

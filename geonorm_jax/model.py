@@ -4,9 +4,20 @@ Two backbones share this one file: `gpt2` (learned positions, LayerNorm with bia
 tied embeddings) and `llama` (RoPE, RMSNorm, SwiGLU, no biases, untied head, grouped-query
 attention). The placement decides which norms exist and how each sublayer updates the
 residual stream; see placements.py for the equations.
+
+The blocks are either a list (`blocks.<i>.…` parameters, a Python loop) or, with
+`model.scan_layers`, one Block whose parameters carry a leading `layers` axis, run by a
+`lax.scan`; what a block reads that depends on its depth (its index, GeoNorm's alpha_k) is
+then a scanned array. Both layouts compute the same function of the same numbers
+(convert.stack_layers / unstack_layers move parameters between them).
+
+`prefill` and `decode` are the cached inference path (sample.py): `prefill` runs a window
+and returns every layer's keys and values, `decode` runs new tokens at an absolute position
+against that cache and writes theirs into it.
 """
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,11 +76,18 @@ def _apply_optional(module, x):
   return x if module is None else module(x)
 
 
+class LayerCache(NamedTuple):
+  """One layer's keys and values as attention reads them (after RoPE and any q/k norm), one
+  slot per absolute position; under scan_layers each array has a leading layer axis."""
+  k_BxCxGxK: Any
+  v_BxCxGxK: Any
+
+
 class Attention(nnx.Module):
 
   def __init__(self, spec: ModelSpec, layer: int, rngs):
     placement = placements.get_placement(spec.placement)
-    name = f"blocks.{layer - 1}.attn"
+    name = "attn"  # tap names are relative to the block
     d, hd = spec.d_model, spec.head_dim
     q_width, kv_width = spec.num_heads * hd, spec.num_kv_heads * hd
     dtype = compute_dtype(spec)
@@ -97,6 +115,16 @@ class Attention(nnx.Module):
     self.s_k = _maybe(placement.is_ngpt, lambda: NgptScale(kv_width, 1.0, d ** -0.5, "kv"))
 
   def __call__(self, x_BxLxD, perturb=None):
+    return self.attend(x_BxLxD, perturb)[0]
+
+  def attend(self, x_BxLxD, perturb=None, cache=None, position=None):
+    """(output, LayerCache of the keys and values attended to).
+
+    Without a cache the L tokens are positions 0..L-1 and attend causally to each other.
+    With one (and `position`, maybe traced), they are positions position..position+L-1:
+    their keys and values are written into the cache's slots there, and each reads the
+    slots up to its own position.
+    """
     spec = self.spec
     batch, length, _ = x_BxLxD.shape
     hd, heads, kv_heads = spec.head_dim, spec.num_heads, spec.num_kv_heads
@@ -111,7 +139,7 @@ class Attention(nnx.Module):
     v_BxLxGxK = constrain(v_BxLxGxK, ("batch", "length", "kv", "head_dim"))
     scale = 1.0 / math.sqrt(hd)
     if spec.uses_rope:
-      cos, sin = rope_cos_sin(length, hd, spec.rope_theta)
+      cos, sin = rope_cos_sin(length, hd, spec.rope_theta, 0 if position is None else position)
       q_BxLxHxK = apply_rope(q_BxLxHxK, cos, sin)
       k_BxLxGxK = apply_rope(k_BxLxGxK, cos, sin)
     if self.s_q is not None:
@@ -122,10 +150,18 @@ class Attention(nnx.Module):
       q_BxLxHxK = norms.l2_normalize(q_BxLxHxK) * s_q_HxK
       k_BxLxGxK = norms.l2_normalize(k_BxLxGxK) * s_k_GxK
       scale = math.sqrt(hd)  # unit vectors: undo the 1/sqrt(d) that random vectors need
-    out_BxLxHxK = causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, scale,
-                                   attention_impl(spec))
+    if cache is None:
+      out_BxLxHxK = causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, scale,
+                                     attention_impl(spec))
+      cache = LayerCache(k_BxLxGxK, v_BxLxGxK)
+    else:
+      write = lambda slots, new: jax.lax.dynamic_update_slice_in_dim(
+          slots, new.astype(slots.dtype), position, axis=1)
+      cache = LayerCache(write(cache.k_BxCxGxK, k_BxLxGxK), write(cache.v_BxCxGxK, v_BxLxGxK))
+      out_BxLxHxK = cached_attention(q_BxLxHxK, cache.k_BxCxGxK, cache.v_BxCxGxK, position,
+                                     scale)
     out = self.o(out_BxLxHxK.reshape(batch, length, heads * hd), perturb)
-    return _apply_optional(self.o_out_norm, out)
+    return _apply_optional(self.o_out_norm, out), cache
 
 
 # Queries per block of the blocked attention: small enough that a block's scores stay in a
@@ -169,12 +205,27 @@ def _causal_attention_block(q_BxLxHxK, k_BxMxGxK, v_BxMxGxK, scale, start, stop)
   return out.reshape(batch, stop - start, heads, hd)
 
 
+def cached_attention(q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, position, scale):
+  """Grouped-query attention of L queries at positions position..position+L-1 over C cache
+  slots: a query reads slot m iff m <= its position (later slots are stale or padding)."""
+  batch, length, heads, hd = q_BxLxHxK.shape
+  capacity, kv_heads = k_BxCxGxK.shape[1], k_BxCxGxK.shape[2]
+  q_BxLxGxRxK = q_BxLxHxK.reshape(batch, length, kv_heads, heads // kv_heads, hd)
+  scores = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxCxGxK,
+                      preferred_element_type=jnp.float32) * scale
+  visible_LxC = jnp.arange(capacity)[None, :] <= position + jnp.arange(length)[:, None]
+  scores = jnp.where(visible_LxC, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxCxGxK.dtype)
+  out = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxCxGxK)
+  return out.reshape(batch, length, heads, hd)
+
+
 class MLP(nnx.Module):
   """GELU (gpt2) or SwiGLU (llama); SimpleNorm puts a norm after each of its matrices."""
 
   def __init__(self, spec: ModelSpec, layer: int, rngs):
     placement = placements.get_placement(spec.placement)
-    name = f"blocks.{layer - 1}.mlp"
+    name = "mlp"
     d, f = spec.d_model, spec.d_ff
     dtype = compute_dtype(spec)
     std = functools.partial(init_std, spec, layer=layer)
@@ -237,26 +288,107 @@ class Block(nnx.Module):
           setattr(self, f"{sublayer}_{name}", module)
       self.update_param_names = tuple(named)
 
-  def _context(self, sublayer, sublayer_index):
-    spec = self.spec
-    placement = placements.get_placement(spec.placement)
-    constants = {} if placement.constants is None else placement.constants(
-        spec, self.layer, sublayer_index)
+  def _context(self, constants, sublayer):
     params = {name: _array(getattr(self, f"{sublayer}_{name}"))
               for name in self.update_param_names}
-    return placements.ResidualContext(layer=self.layer, num_layers=spec.num_layers, dt=spec.dt,
-                                      constants=constants, params=params)
+    return placements.ResidualContext(layer=constants["layer"], num_layers=self.spec.num_layers,
+                                      dt=self.spec.dt, constants=constants[sublayer],
+                                      params=params)
 
   def __call__(self, x_BxLxD, perturb=None):
+    return self.apply(x_BxLxD, perturb)[0]
+
+  def apply(self, x_BxLxD, perturb=None, constants=None, cache=None, position=None):
+    """(x', the attention's LayerCache).
+
+    `perturb`: this block's taps, named without the `blocks.<i>.` prefix (`input`,
+    `attn.q.in`, ...). `constants`: layer_constants of this block (the default; a scanned
+    block has no index of its own and is handed its slice). `cache`, `position`: as
+    Attention.attend.
+    """
+    constants = layer_constants(self.spec, self.layer) if constants is None else constants
     update = placements.get_placement(self.spec.placement).update
     x_BxLxD = constrain(x_BxLxD, _STREAM_AXES)
-    x_BxLxD = tap(perturb, f"blocks.{self.layer - 1}.input", x_BxLxD)
+    x_BxLxD = tap(perturb, "input", x_BxLxD)
+    caches = []  # the placement calls F once; its K/V leave the closure through this list
+
+    def attention(h):
+      out, layer_cache = self.attn.attend(h, perturb, cache, position)
+      caches.append(layer_cache)
+      return out
+
     attn_norms = placements.SublayerNorms(self.attn_in_norm, self.attn_out_norm)
-    x_BxLxD = update(x_BxLxD, lambda h: self.attn(h, perturb), attn_norms,
-                     self._context("attn", 1))
+    x_BxLxD = update(x_BxLxD, attention, attn_norms, self._context(constants, "attn"))
     mlp_norms = placements.SublayerNorms(self.mlp_in_norm, self.mlp_out_norm)
-    x_BxLxD = update(x_BxLxD, lambda h: self.mlp(h, perturb), mlp_norms, self._context("mlp", 2))
-    return constrain(x_BxLxD, _STREAM_AXES)
+    x_BxLxD = update(x_BxLxD, lambda h: self.mlp(h, perturb), mlp_norms,
+                     self._context(constants, "mlp"))
+    return constrain(x_BxLxD, _STREAM_AXES), caches[0]
+
+
+def layer_constants(spec, layer):
+  """What block `layer` (1-based) reads that depends on its depth: its index and each
+  sublayer's placement constants (GeoNorm's alpha_k, DeepNorm's alpha)."""
+  placement = placements.get_placement(spec.placement)
+
+  def sublayer(index):
+    return {} if placement.constants is None else dict(placement.constants(spec, layer, index))
+  return {"layer": layer, "attn": sublayer(1), "mlp": sublayer(2)}
+
+
+def split_over_depth(trees):
+  """[one tree per layer] -> (xs, rebuild): the leaves that differ between layers stacked into
+  arrays along the layer axis (a scan's xs), and rebuild(slice of xs) -> one layer's tree.
+
+  Leaves equal in every layer (DeepNorm's alpha, an unset clamp None) stay Python values, so
+  what is static in the unrolled model stays static in the scan.
+  """
+  flat = [jax.tree.flatten(tree) for tree in trees]
+  treedef = flat[0][1]
+  columns = list(zip(*(leaves for leaves, _ in flat)))
+  varies = [any(value != column[0] for value in column) for column in columns]
+  xs = [jnp.asarray(column) for column, vary in zip(columns, varies) if vary]
+
+  def rebuild(xs_slice):
+    values = iter(xs_slice)
+    return jax.tree.unflatten(treedef, [next(values) if vary else column[0]
+                                        for column, vary in zip(columns, varies)])
+  return xs, rebuild
+
+
+def _block_taps(perturb, index):
+  """Block `index`'s taps from a model-wide perturb dict, without their `blocks.<i>.` prefix."""
+  prefix = f"blocks.{index}."
+  return {name[len(prefix):]: value for name, value in (perturb or {}).items()
+          if name.startswith(prefix)}
+
+
+def _stacked_taps(perturb, num_layers):
+  """Every block's taps stacked along the layer axis; a block without one adds zeros."""
+  per_block = [_block_taps(perturb, index) for index in range(num_layers)]
+  stacked = {}
+  for name in sorted(set().union(*per_block)):
+    like = next(taps[name] for taps in per_block if name in taps)
+    stacked[name] = jnp.stack([taps.get(name, jnp.zeros_like(like)) for taps in per_block])
+  return stacked
+
+
+def _stack_blocks(blocks):
+  """T blocks -> one Block whose parameters carry a leading `layers` axis (block l at l-1)."""
+  for block in blocks:
+    block.layer = None  # the scan hands each block its depth; it must not be static
+  split = [nnx.split(block) for block in blocks]
+  graphdef = split[0][0]
+  if any(other != graphdef for other, _ in split[1:]):
+    raise ValueError(f"model.scan_layers=true: the blocks of model.placement="
+                     f"{blocks[0].spec.placement} differ in structure; set model.scan_layers=false")
+
+  def stack(*variables):
+    axes = variables[0].get_metadata().get("logical_axes") or ()
+    return variables[0].replace(jnp.stack([v[...] for v in variables]),
+                                logical_axes=("layers",) + tuple(axes))
+  stacked = jax.tree.map(stack, *(state for _, state in split),
+                         is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdef, stacked)
 
 
 def _array(parameter):
@@ -279,7 +411,9 @@ class Transformer(nnx.Module):
                              lambda: _stream_norm(spec, placement, d, "embed", "attn"))
     self.embed_scale = _maybe(placement.embedding_output == "scaled",
                               lambda: constant((), math.sqrt(d), ()))
-    self.blocks = nnx.List([Block(spec, layer, rngs) for layer in range(1, spec.num_layers + 1)])
+    # Built one by one in both layouts, so a seed gives the same numbers either way.
+    blocks = [Block(spec, layer, rngs) for layer in range(1, spec.num_layers + 1)]
+    self.blocks = _stack_blocks(blocks) if spec.scan_layers else nnx.List(blocks)
     self.final_norm = _maybe(placement.final_norm,
                              lambda: _stream_norm(spec, placement, d, "embed", "final"))
     self.head = _maybe(not spec.tie_embeddings, lambda: param(
@@ -287,12 +421,16 @@ class Transformer(nnx.Module):
     self.s_z = _maybe(placement.is_ngpt, lambda: NgptScale(spec.vocab_size, 1.0, d ** -0.5,
                                                            "vocab"))
 
-  def embed_tokens(self, tokens_BxL):
+  def embed_tokens(self, tokens_BxL, start=None):
+    """The stream entering block 1; the tokens sit at positions start.. (None: from 0)."""
     spec = self.spec
     dtype = compute_dtype(spec)
     x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dtype)
     if self.positions is not None:
-      x_BxLxD = x_BxLxD + self.positions[: tokens_BxL.shape[1]].astype(dtype)
+      length = tokens_BxL.shape[1]
+      positions_LxD = (self.positions[:length] if start is None else
+                       jax.lax.dynamic_slice_in_dim(self.positions[...], start, length))
+      x_BxLxD = x_BxLxD + positions_LxD.astype(dtype)
     if self.embed_norm is not None:
       x_BxLxD = self.embed_norm(x_BxLxD)
     output = placements.get_placement(spec.placement).embedding_output
@@ -320,17 +458,75 @@ class Transformer(nnx.Module):
     return constrain(logits_BxLxV, ("batch", "length", "vocab"))
 
   def __call__(self, tokens_BxL, perturb=None, return_streams=False):
-    """Logits; with return_streams, also the residual stream entering each block and the last."""
+    """Logits; with return_streams, also the residual stream entering each block and the last.
+
+    `perturb` {tap name: array} names block taps model-wide: `blocks.<i>.input`,
+    `blocks.<i>.attn.q.in`, ... (layers.py).
+    """
     x_BxLxD = self.embed_tokens(tokens_BxL)
-    streams = [x_BxLxD]
-    for block in self.blocks:
+    out_BxLxD, streams, _ = self._run_blocks(x_BxLxD, perturb=perturb,
+                                             keep_streams=return_streams)
+    logits_BxLxV = self.logits(out_BxLxD)
+    if not return_streams:
+      return logits_BxLxV
+    return logits_BxLxV, [x_BxLxD] + [streams[i] for i in range(self.spec.num_layers)]
+
+  def prefill(self, tokens_BxL):
+    """(logits, caches) of a window at positions 0..L-1: caches holds every layer's keys and
+    values (a list of LayerCache, or one stacked LayerCache under scan_layers), L slots."""
+    x_BxLxD = self.embed_tokens(tokens_BxL)
+    out_BxLxD, _, caches = self._run_blocks(x_BxLxD, keep_caches=True)
+    return self.logits(out_BxLxD), caches
+
+  def decode(self, tokens_BxS, caches, position):
+    """(logits, caches) of S tokens at positions position..position+S-1 (may be traced): they
+    read the cache slots up to their own position and their keys and values are written in."""
+    x_BxSxD = self.embed_tokens(tokens_BxS, start=position)
+    out_BxSxD, _, caches = self._run_blocks(x_BxSxD, caches=caches, position=position,
+                                            keep_caches=True)
+    return self.logits(out_BxSxD), caches
+
+  def block(self, index):
+    """Block `index` (0-based) as a module in either layout; under scan_layers a read-only
+    slice of the stacked parameters."""
+    if not self.spec.scan_layers:
+      return self.blocks[index]
+    graphdef, stacked = nnx.split(self.blocks)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[index], stacked))
+
+  def _run_blocks(self, x_BxLxD, perturb=None, caches=None, position=None,
+                  keep_streams=False, keep_caches=False):
+    """(output, streams after each block or None, caches or None)."""
+    if self.spec.scan_layers:
+      return self._scan_blocks(x_BxLxD, perturb, caches, position, keep_streams, keep_caches)
+    streams, new_caches = [], []
+    for index, block in enumerate(self.blocks):
+      run = lambda blk, x, taps, cache: blk.apply(x, taps, None, cache, position)
       if self.spec.remat:
-        x_BxLxD = nnx.remat(lambda blk, x, p: blk(x, p))(block, x_BxLxD, perturb)
-      else:
-        x_BxLxD = block(x_BxLxD, perturb)
+        run = nnx.remat(run)
+      x_BxLxD, layer_cache = run(block, x_BxLxD, _block_taps(perturb, index),
+                                 None if caches is None else caches[index])
       streams.append(x_BxLxD)
-    logits_BxLxV = self.logits(x_BxLxD)
-    return (logits_BxLxV, streams) if return_streams else logits_BxLxV
+      new_caches.append(layer_cache)
+    return x_BxLxD, streams, new_caches if keep_caches else None
+
+  def _scan_blocks(self, x_BxLxD, perturb, caches, position, keep_streams, keep_caches):
+    spec = self.spec
+    graphdef, stacked = nnx.split(self.blocks)
+    constants_xs, rebuild = split_over_depth(
+        [layer_constants(spec, layer) for layer in range(1, spec.num_layers + 1)])
+
+    def body(x, xs):
+      params, constants, taps, cache = xs
+      block = nnx.merge(graphdef, params)
+      x, layer_cache = block.apply(x, taps, rebuild(constants), cache, position)
+      return x, (x if keep_streams else None, layer_cache if keep_caches else None)
+
+    if spec.remat:
+      body = jax.checkpoint(body)
+    xs = (stacked, constants_xs, _stacked_taps(perturb, spec.num_layers), caches)
+    out_BxLxD, (streams, new_caches) = jax.lax.scan(body, x_BxLxD, xs)
+    return out_BxLxD, streams, new_caches
 
 
 def build(model_config_or_spec, seed=0):

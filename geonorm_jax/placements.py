@@ -33,7 +33,7 @@ class SublayerNorms:
 
 @dataclasses.dataclass(frozen=True)
 class ResidualContext:
-  layer: int  # 1-based block index l
+  layer: Any  # 1-based block index l (an int32 array under model.scan_layers)
   num_layers: int  # T
   dt: float = 1.0  # residual step of additive placements
   constants: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # Placement.constants
@@ -100,7 +100,9 @@ def simplenorm(x, sublayer, norms, ctx):
 
 def layernorm_scaling(x, sublayer, norms, ctx):
   """x' = x + dt F(N(x) / sqrt(l))  (LayerNorm Scaling)."""
-  return x + ctx.dt * sublayer(norms.input(x) / math.sqrt(ctx.layer))
+  h = norms.input(x)
+  # jnp, not math: under model.scan_layers the block index l is a scanned array.
+  return x + ctx.dt * sublayer(h / jnp.sqrt(jnp.asarray(ctx.layer, jnp.float32)).astype(h.dtype))
 
 
 def ngpt(x, sublayer, norms, ctx):

@@ -32,7 +32,7 @@ DEFAULT_RULES = {
     "vocab": "tensor",
     "length": None,
     "head_dim": None,
-    "layers": None,
+    "layers": None,  # model.scan_layers' stacked block axis: never split
 }
 
 

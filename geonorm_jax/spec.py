@@ -37,6 +37,7 @@ class ModelSpec:
   dtype: str
   remat: bool
   attention: str
+  scan_layers: bool
   # Every placement's own fields (placements.Option), resolved: ((name, value), ...).
   options: tuple = ()
 
@@ -131,7 +132,7 @@ def resolve(model_config):
     d_ff = 4 * c.d_model
   else:
     d_ff = llama_ffn_width(c.d_model, _positive("ffn_multiple_of", c.ffn_multiple_of))
-  return ModelSpec(
+  spec = ModelSpec(
       backbone=backbone, placement=placements.ALIASES.get(c.placement, c.placement),
       num_layers=c.num_layers, d_model=c.d_model, num_heads=c.num_heads, num_kv_heads=kv_heads,
       d_ff=d_ff, vocab_size=c.vocab_size, max_seq_len=c.max_seq_len, norm_kind=norm_kind,
@@ -140,4 +141,22 @@ def resolve(model_config):
       tie_embeddings=_auto_bool("tie_embeddings", c.tie_embeddings, backbone == "gpt2"),
       rope_theta=float(c.rope_theta), qk_norm=bool(c.qk_norm), dt=float(c.dt),
       embed_norm=bool(c.embed_norm), init_std=float(c.init_std), dtype=c.dtype,
-      remat=bool(c.remat), attention=c.attention, options=tuple(options))
+      remat=bool(c.remat), scan_layers=bool(c.scan_layers),
+      attention=c.attention, options=tuple(options))
+  if spec.scan_layers:
+    _check_uniform_blocks(spec)
+  return spec
+
+
+def _check_uniform_blocks(spec):
+  """A scan runs one block definition T times: every block must have the same norms."""
+  placement = placements.get_placement(spec.placement)
+  def structure(layer):
+    return (placement.has_input_norm(layer, spec), placement.has_output_norm(layer, spec))
+  kinds = [structure(layer) for layer in range(1, spec.num_layers + 1)]
+  if len(set(kinds)) > 1:
+    first_change = next(l for l in range(2, spec.num_layers + 1) if kinds[l - 1] != kinds[0])
+    raise ValueError(
+        f"model.scan_layers=true needs every block to have the same norms, but "
+        f"model.placement={spec.placement} gives blocks 1-{first_change - 1} other norms than "
+        f"block {first_change} (e.g. Mix-LN's Post-LN blocks); set model.scan_layers=false")

@@ -13,6 +13,7 @@ advance) and counts it.
 """
 import collections
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -65,6 +66,10 @@ def validate(config, num_devices=None):
   """Every config error, before any compilation: fields, model, optimizer, mesh and data."""
   validate_lib.check_fields(config)
   spec = spec_lib.resolve(config.model)
+  if spec.scan_layers and config.train.hessian_per_block:
+    raise ValueError("train.hessian_per_block=true selects each block's parameters by name "
+                     "(blocks.<i>.), which model.scan_layers=true stacks into one array; "
+                     "set one of them to false")
   optim.learning_rate_schedule(config.train)
   optim.parse_multipliers(config.train.lr_multipliers)
   rules = sharding_lib.parse_rules(config.mesh.rules)
@@ -147,6 +152,7 @@ def make_train_step(setup):
   after_update = placements.get_placement(setup.spec.placement).after_update
   with_layer_stats = setup.config.train.layer_stats_every > 0
   skip_nonfinite = setup.config.train.on_divergence == "skip"
+  layer_norms = functools.partial(_per_layer_norms, scan_layers=setup.spec.scan_layers)
 
   def train_step(state, tokens_AxBxL1):
     params = state["params"]
@@ -167,19 +173,36 @@ def make_train_step(setup):
     step_metrics = {"loss": loss, "grad_norm": grad_norm,
                     "lr": schedule(state["step"]),
                     "nonfinite": 1.0 - finite.astype(jnp.float32)}
-    layer_grad_norms = metrics.per_layer_norms(grads)
+    layer_grad_norms = layer_norms(grads)
     # Kept on the device and read only when a step diverges: which layer blew up.
     for layer, value in layer_grad_norms.items():
       step_metrics[f"{_DIAGNOSTIC_PREFIX}grad_norm/{layer}"] = value
     if with_layer_stats:
       for layer, value in layer_grad_norms.items():
         step_metrics[f"grad_norm/{layer}"] = value
-      for layer, value in metrics.update_ratio(updates, params).items():
-        step_metrics[f"update_ratio/{layer}"] = value
+      update_norms, param_norms = layer_norms(updates), layer_norms(params)
+      for layer, value in update_norms.items():  # as metrics.update_ratio
+        step_metrics[f"update_ratio/{layer}"] = value / jnp.maximum(
+            param_norms[layer], jnp.finfo(jnp.float32).tiny)
     return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, step_metrics
 
   return jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                  out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+
+def _per_layer_norms(tree, scan_layers):
+  """metrics.per_layer_norms; under model.scan_layers each stacked leaf is reduced along its
+  `layers` axis once, instead of being sliced into T arrays (T x leaves ops to compile)."""
+  if not scan_layers:
+    return metrics.per_layer_norms(tree)
+  flat = nnx.to_flat_state(tree)
+  norms = metrics.per_layer_norms(nnx.from_flat_state([(p, v) for p, v in flat
+                                                       if p[0] != "blocks"]))
+  sum_sq_T = sum(jnp.sum(jnp.square(v[...].astype(jnp.float32)), axis=tuple(range(1, v.ndim)))
+                 for p, v in flat if p[0] == "blocks")
+  for index in range(sum_sq_T.shape[0]):
+    norms[metrics.default_layer_of_path(f"blocks.{index}")] = jnp.sqrt(sum_sq_T[index])
+  return norms
 
 
 def make_eval_step(setup):
@@ -215,9 +238,9 @@ def make_stream_stats(setup):
     if final_norm is not None and final_norm.alpha is not None:  # DyT
       out["collapse/tanh_saturated_final"] = collapse.tanh_saturated(streams[-1],
                                                                      final_norm.alpha[...])
-      for index, block in enumerate(model.blocks):
+      for index in range(setup.spec.num_layers):
         out[f"collapse/tanh_saturated_attn_in/layer_{index:02d}"] = collapse.tanh_saturated(
-            streams[index], block.attn_in_norm.alpha[...])
+            streams[index], model.block(index).attn_in_norm.alpha[...])
     return out
   return jax.jit(stats, in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
 

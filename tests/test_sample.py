@@ -1,4 +1,5 @@
-"""Sampling: greedy decoding is the argmax of the full model, one compile, seeded."""
+"""Sampling: greedy decoding is the argmax of the full model, one compile, seeded (through the
+default, cached path; test_kv_cache.py compares it with the uncached one)."""
 from flax import nnx
 import jax.numpy as jnp
 import numpy as np
@@ -42,13 +43,14 @@ def test_prompt_longer_than_the_context_keeps_its_tail():
   assert got.tolist() == _greedy_by_full_forward(model, prompt[-8:], 4)
 
 
-def test_the_step_compiles_once_for_all_tokens():
+def test_the_uncached_step_compiles_once_for_all_tokens():
+  # (The cached path's steps: tests/test_kv_cache.py.)
   model = _tiny_model(max_seq_len=16)
   before = sample.step_trace_count
-  sample.generate(model, [1, 2], 20, temperature=1.0, top_k=7, seed=1)
+  sample.generate(model, [1, 2], 20, temperature=1.0, top_k=7, seed=1, use_cache=False)
   assert sample.step_trace_count - before == 1
   # A new prompt length, seed or temperature reuses the same compiled step.
-  sample.generate(model, [3, 4, 5, 6], 5, temperature=0.5, top_k=7, seed=2)
+  sample.generate(model, [3, 4, 5, 6], 5, temperature=0.5, top_k=7, seed=2, use_cache=False)
   assert sample.step_trace_count - before == 1
 
 

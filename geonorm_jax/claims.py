@@ -9,7 +9,9 @@ An experiment module declares:
   CURVES     (split, key prefix) pairs of metrics.jsonl copied into curves.csv
   grid(args, scale) -> [Variant]      the grid without seeds (args.quick shrinks it)
   summarize(rows, curves, config) -> Summary     table, verdict and figures, from files only
-and optionally add_arguments(parser) and row_extra(run, workdir_config) -> dict.
+and optionally add_arguments(parser), row_extra(run, workdir_config) -> dict, and
+measure(args) -> (rows, curves) for what needs no training (computed in this process, in the
+same row and curve format, after the runs).
 
 A results folder holds results.csv (one row per finished run: labels, seed, final numbers),
 curves.csv (name, split, key, step, value), config.json (the experiment, its scale, seeds and
@@ -126,9 +128,12 @@ def run(experiment, argv=None):
   runs = make_runs(experiment, args)
   sweep.execute(args, runs)  # exits after --print
   finished = [r for r in runs if r.summary() is not None]
-  if not finished:
-    raise SystemExit(f"{experiment.NAME}: no finished run under {args.root}")
   rows, curves = collect(experiment, finished)
+  if hasattr(experiment, "measure"):
+    measured_rows, measured_curves = experiment.measure(args)
+    rows, curves = rows + measured_rows, curves + measured_curves
+  if not rows:
+    raise SystemExit(f"{experiment.NAME}: no finished run under {args.root}")
   os.makedirs(args.out, exist_ok=True)
   sweep.write_csv(os.path.join(args.out, "results.csv"), rows)
   sweep.write_csv(os.path.join(args.out, "curves.csv"), curves)
@@ -144,6 +149,17 @@ def run(experiment, argv=None):
   print("\n".join(summary.table))
   print(f"verdict: {summary.verdict}: {summary.result}")
   return summary
+
+
+def load_config(config_file, overrides, seed=0):
+  """What `train --config=config_file:overrides --config.seed=S --config.data.seed=S` trains."""
+  path = os.path.join(REPO, config_file)
+  spec = importlib.util.spec_from_file_location("claim_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(overrides)
+  config.seed = config.data.seed = seed
+  return config
 
 
 @functools.lru_cache(maxsize=None)
@@ -220,6 +236,11 @@ def load_experiment(name):
   return module
 
 
+def _shown_path(path):
+  relative = os.path.relpath(os.path.abspath(path), REPO)
+  return os.path.abspath(path) if relative.startswith("..") else relative
+
+
 def report(out_dir):
   """Rebuild table.md, verdict.json and the figures of a results folder from its files."""
   config_path = os.path.join(out_dir, "config.json")
@@ -244,7 +265,7 @@ def report(out_dir):
             + (f"; unfinished: {', '.join(config['missing'])}" if config.get("missing") else "")
             + f"). Written by `python experiments/{config['experiment']}.py`"
             f"{' --scale=paper' if config['scale'] == 'paper' else ''}; "
-            f"regenerate with `python -m geonorm_jax report {os.path.relpath(out_dir, REPO)}`.",
+            f"regenerate with `python -m geonorm_jax report {_shown_path(out_dir)}`.",
             ""]
   footer = ["", f"**Verdict: {summary.verdict}.** {summary.result}"]
   with open(os.path.join(out_dir, "table.md"), "w") as f:

@@ -2,7 +2,6 @@
 cases, every experiment run at its smallest settings (the files and columns it writes), the
 report command rebuilding them from the files alone, and the paper-scale configs lowering on
 the 8 fake devices without allocating a parameter."""
-import importlib.util
 import json
 import math
 import os
@@ -33,7 +32,7 @@ SMALLEST = {
     "update_balance": (["--variants=pre,geonorm"],
                        ["per_layer.png", "first_last_over_training.png"]),
     "lr_tolerance": (["--variants=pre,simplenorm", "--lrs=1e-3"], ["loss_vs_lr.png"]),
-    "depth_growth": (["--variants=pre,peri", "--depths=2", "--phases=init"],
+    "depth_growth": (["--variants=pre", "--depths=2", "--trained_depths=2"],
                      ["rms_per_block.png"]),
     "residual_step": (["--variants=peri", "--dts=1,0.1"], ["loss_vs_dt.png"]),
     "divergence_trials": (["--variants=pre,peri", "--weight_decays=0"], ["loss_curves.png"]),
@@ -81,8 +80,9 @@ def test_growth_law_fits():
   blocks = np.arange(1, 49)
   law, growth = fit_law(0.5 * 1.1 ** blocks)
   assert law == "exponential" and growth == pytest.approx(1.1)
-  law, slope = fit_law(1.0 + 0.5 * blocks)
-  assert law == "linear" and slope == pytest.approx(0.5)
+  law, exponent = fit_law(0.3 * blocks ** 0.5)
+  assert law == "power" and exponent == pytest.approx(0.5)
+  assert fit_law(2.0 * blocks) == ("power", pytest.approx(1.0))
   assert fit_law(1.0 + 0.01 * np.sin(blocks))[0] == "flat"
   assert fit_law([1.0, float("nan")])[0] == "non-finite"
 
@@ -113,7 +113,7 @@ def test_every_grid_has_unique_runs_and_the_cli_train_command():
       assert runs[0].command()[2:4] == ["geonorm_jax", "train"]
     quick = claims.make_runs(module, claims.parse_args(module, ["--quick"]))
     assert len(quick) <= len(claims.make_runs(module, claims.parse_args(module, []))), name
-    assert {r.seed for r in quick} == {0}, name
+    assert {r.seed for r in quick} <= {0}, name
 
 
 # ---------------------------------------------------------------------------
@@ -121,12 +121,7 @@ def test_every_grid_has_unique_runs_and_the_cli_train_command():
 # ---------------------------------------------------------------------------
 
 def _config_of(run):
-  path = os.path.join(REPO, run.config_file)
-  spec = importlib.util.spec_from_file_location("claim_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(run.overrides)
-  config.seed = config.data.seed = run.seed
+  config = claims.load_config(run.config_file, run.overrides, run.seed)
   # The paper's corpora are not in the repository; the lowering needs only their shapes.
   config.data.source, config.data.path, config.data.val_path = "builtin", "", ""
   config.data.tokenizer = "byte"

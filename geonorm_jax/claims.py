@@ -26,6 +26,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 
 import numpy as np
 
@@ -141,7 +142,8 @@ def run(experiment, argv=None):
   extra_args = {k: v for k, v in vars(args).items()
                 if k not in ("seed_list", "root", "out", "print_only", "report_only", "jobs")}
   sweep.write_config(os.path.join(args.out, "config.json"), experiment=experiment.NAME,
-                     claim=experiment.CLAIM, scale=args.scale, scale_note=scale.note,
+                     claim=experiment.CLAIM, command=_command(experiment, argv),
+                     scale=args.scale, scale_note=scale.note,
                      config_file=scale.config_file, args=extra_args,
                      runs={r.name: r.overrides for r in runs},
                      missing=[r.name for r in runs if r.summary() is None])
@@ -160,6 +162,13 @@ def load_config(config_file, overrides, seed=0):
   config = module.get_config(overrides)
   config.seed = config.data.seed = seed
   return config
+
+
+def _command(experiment, argv):
+  """The command line that wrote a results folder, as a reader would retype it."""
+  import shlex  # pylint: disable=g-import-not-at-top
+  arguments = sys.argv[1:] if argv is None else argv
+  return shlex.join(["python", f"experiments/{experiment.NAME}.py", *arguments])
 
 
 @functools.lru_cache(maxsize=None)
@@ -263,9 +272,7 @@ def report(out_dir):
             f"Setting ({config['scale']} scale): {config['scale_note']} Seeds: "
             f"{', '.join(map(str, seeds))} ({len(rows)} finished runs"
             + (f"; unfinished: {', '.join(config['missing'])}" if config.get("missing") else "")
-            + f"). Written by `python experiments/{config['experiment']}.py`"
-            f"{' --scale=paper' if config['scale'] == 'paper' else ''}; "
-            f"regenerate with `python -m geonorm_jax report {_shown_path(out_dir)}`.",
+            + f"). Written by `{config['command']}`; regenerate with `python -m geonorm_jax report {_shown_path(out_dir)}`.",
             ""]
   footer = ["", f"**Verdict: {summary.verdict}.** {summary.result}"]
   with open(os.path.join(out_dir, "table.md"), "w") as f:

@@ -22,20 +22,20 @@ EXPERIMENTS = ("norm_zoo", "geonorm_decay", "seq_length", "update_balance", "lr_
 # One layer of width 32, three steps: each run is a few seconds of compilation.
 TINY = ("steps=3,warmup_steps=1,eval_batches=1,eval_every=3,checkpoint.every=3,"
         "layer_stats_every=2,log_every=1,model.d_model=32,model.num_heads=2,async_save=false")
-# The smallest grid of each experiment (two runs, one seed), and its figures.
+# The smallest grid of each experiment (one train run, one seed; depth_growth adds its init
+# measurement), and its figures.
 SMALLEST = {
-    "norm_zoo": (["--variants=pre,geonorm"], ["loss_curves.png"]),
-    "geonorm_decay": (["--schedules=harmonic,constant", "--alphas=1", "--counters=sublayers"],
+    "norm_zoo": (["--variants=geonorm"], ["loss_curves.png"]),
+    "geonorm_decay": (["--schedules=harmonic", "--alphas=1", "--counters=sublayers"],
                       ["loss_vs_alpha.png"]),
-    "seq_length": (["--variants=post,geonorm", "--seq_lens=64"],
+    "seq_length": (["--variants=post", "--seq_lens=64"],
                    ["spikes_vs_length.png", "loss_curves_longest.png"]),
-    "update_balance": (["--variants=pre,geonorm"],
-                       ["per_layer.png", "first_last_over_training.png"]),
-    "lr_tolerance": (["--variants=pre,simplenorm", "--lrs=1e-3"], ["loss_vs_lr.png"]),
+    "update_balance": (["--variants=pre"], ["per_layer.png", "first_last_over_training.png"]),
+    "lr_tolerance": (["--variants=simplenorm", "--lrs=1e-3"], ["loss_vs_lr.png"]),
     "depth_growth": (["--variants=pre", "--depths=2", "--trained_depths=2"],
                      ["rms_per_block.png"]),
-    "residual_step": (["--variants=peri", "--dts=1,0.1"], ["loss_vs_dt.png"]),
-    "divergence_trials": (["--variants=pre,peri", "--weight_decays=0"], ["loss_curves.png"]),
+    "residual_step": (["--variants=peri", "--dts=0.1"], ["loss_vs_dt.png"]),
+    "divergence_trials": (["--variants=pre", "--weight_decays=0"], ["loss_curves.png"]),
 }
 LABELS = {"norm_zoo": ["variant"], "geonorm_decay": ["schedule", "alpha", "counter"],
           "seq_length": ["variant", "seq_len"], "update_balance": ["variant"],
@@ -141,11 +141,11 @@ def test_paper_scale_configs_are_valid(name):
     assert config.model.d_model >= 768, run.name  # the papers' widths, not the tiny model
 
 
-@pytest.mark.slow  # traces three 125M-1B train steps
+@pytest.mark.slow  # traces three 124M-1B train steps
 @pytest.mark.parametrize("name,pick", [("seq_length", -1), ("lr_tolerance", 0),
-                                       ("depth_growth", -1)])
+                                       ("residual_step", 0)])
 def test_paper_scale_lowers_on_a_fake_mesh(name, pick):
-  """The longest sequence (4096), SimpleGPT's 1B and the 48-block GPT-2: no allocation."""
+  """GeoNorm's 125M at length 4096, SimpleGPT's 1B, GPT-2 124M: no parameter allocated."""
   run = _paper_runs(name)[pick]
   config = _config_of(run)
   setup = train.make_setup(config)
@@ -182,7 +182,7 @@ def results(tmp_path_factory):
 def test_experiment_writes_its_files_and_columns(results, name):
   folder = results[name]
   rows = claims.read_csv(folder / "results.csv")
-  assert len(rows) == 2
+  assert len(rows) == (2 if name == "depth_growth" else 1)
   for column in LABELS[name] + ["name", "seed", "params", "final_eval_loss", "step_time_s",
                                 "loss_spikes", "skipped_steps"]:
     assert column in rows[0], column
@@ -192,9 +192,11 @@ def test_experiment_writes_its_files_and_columns(results, name):
   assert {c["name"] for c in curves} == {row["name"] for row in rows}
   config = json.loads((folder / "config.json").read_text())
   assert config["experiment"] == name and config["scale"] == "cpu"
-  assert set(config["runs"]) == {row["name"] for row in rows}
+  trained = {row["name"] for row in rows if row["steps"]}  # depth_growth's init has none
+  assert set(config["runs"]) == trained and len(trained) == 1
+  assert config["command"].startswith(f"python experiments/{name}.py ")
   table = (folder / "table.md").read_text()
-  assert "Seeds: 0 (2 finished runs)" in table and "**Verdict:" in table
+  assert f"Seeds: 0 ({len(rows)} finished runs)" in table and "**Verdict:" in table
   verdict = json.loads((folder / "verdict.json").read_text())
   assert verdict["verdict"] in claims.VERDICTS and verdict["seeds"] == 1
   for figure in SMALLEST[name][1]:

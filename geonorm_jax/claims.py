@@ -120,6 +120,11 @@ def make_runs(experiment, args):
                             args.root, labels=v.labels))
   if len({run.name for run in runs}) != len(runs):
     raise ValueError(f"{experiment.NAME}: two runs share a name")
+  for r in runs:  # a bad --extra or grid value: one error now, not one per train process
+    try:
+      load_config(r.config_file, r.overrides, r.seed)
+    except ValueError as e:
+      raise SystemExit(f"{experiment.NAME}: run {r.name}: {e}") from None
   return runs
 
 

@@ -218,6 +218,14 @@ def test_report_rebuilds_every_folder_from_its_files(results):
     assert f"{folder}: " in out
 
 
+def test_a_bad_override_is_one_error_before_any_run(tmp_path):
+  module = load("residual_step")
+  args = claims.parse_args(module, ["--extra=no_such_key=1", f"--root={tmp_path}"])
+  with pytest.raises(SystemExit, match="no_such_key"):
+    claims.make_runs(module, args)
+  assert not os.listdir(tmp_path)
+
+
 def test_report_names_a_folder_that_is_not_a_claim_folder(tmp_path):
   with pytest.raises(FileNotFoundError, match="config.json not found"):
     claims.report(str(tmp_path))

@@ -273,11 +273,15 @@ def report(out_dir):
     raise ValueError(f"{config['experiment']}: verdict {summary.verdict!r} is not one of "
                      f"{VERDICTS}")
   seeds = sorted({row["seed"] for row in rows})
+  steps = sorted({row["steps"] for row in rows if row["steps"]})
+  quick = (" With --quick (a cut grid; the script's docstring says what is cut); steps per run: "
+           + ", ".join(map(str, steps)) + "." if config["args"].get("quick") else "")
   header = [f"# {config['experiment']}: {config['claim']}", "",
-            f"Setting ({config['scale']} scale): {config['scale_note']} Seeds: "
+            f"Setting ({config['scale']} scale): {config['scale_note']}{quick} Seeds: "
             f"{', '.join(map(str, seeds))} ({len(rows)} finished runs"
             + (f"; unfinished: {', '.join(config['missing'])}" if config.get("missing") else "")
-            + f"). Written by `{config['command']}`; regenerate with `python -m geonorm_jax report {_shown_path(out_dir)}`.",
+            + f"). Written by `{config['command']}`; regenerate with "
+            f"`python -m geonorm_jax report {_shown_path(out_dir)}`.",
             ""]
   footer = ["", f"**Verdict: {summary.verdict}.** {summary.result}"]
   with open(os.path.join(out_dir, "table.md"), "w") as f:

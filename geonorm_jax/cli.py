@@ -19,6 +19,8 @@ Commands:
   main     The README's main job: GeoNorm (harmonic) vs Pre-LN on the built-in corpus,
            tiny model, both runs under --workdir, then loss_curves.png, summary.md and a
            sample from the better run.
+  report   DIR... : rebuild the tables, figures and verdicts of claim results folders
+           (results/<claim>/, written by experiments/<claim>.py) from their files alone.
   prepare  Your corpus (text, .jsonl, .parquet: --input) -> token shards in --output_dir
            (--tokenizer=byte|gpt2, --val_tokens); prints the config overrides to train on them.
 
@@ -46,7 +48,7 @@ from ml_collections import config_flags
 
 from geonorm_jax import prepare  # defines the prepare command's flags
 
-COMMANDS = ("train", "eval", "sample", "hessian", "main", "prepare")
+COMMANDS = ("train", "eval", "sample", "hessian", "main", "prepare", "report")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, `configs/FILE.py` or `configs/FILE.py:ARG`; override keys "
@@ -227,8 +229,21 @@ def run_prepare():
     raise CommandError(str(e)) from None
 
 
+def run_report(*results_dirs):
+  from geonorm_jax import claims  # pylint: disable=g-import-not-at-top
+  if not results_dirs:
+    raise CommandError("report: give one or more results folders, e.g. results/norm_zoo")
+  for results_dir in results_dirs:
+    try:
+      summary = claims.report(results_dir)
+    except (ValueError, FileNotFoundError) as e:  # not a claim folder, or a file missing
+      raise CommandError(str(e)) from None
+    print(f"{results_dir}: {summary.verdict}: {summary.result}")
+
+
 _RUNNERS = {"train": run_train, "eval": run_eval, "sample": run_sample,
-            "hessian": run_hessian, "main": run_main, "prepare": run_prepare}
+            "hessian": run_hessian, "main": run_main, "prepare": run_prepare,
+            "report": run_report}
 
 
 def _exit_code(err):
@@ -242,7 +257,8 @@ def _exit_code(err):
 
 def main(argv):
   commands = argv[1:]
-  if len(commands) != 1 or commands[0] not in _RUNNERS:
+  if not commands or commands[0] not in _RUNNERS or (len(commands) > 1
+                                                     and commands[0] != "report"):
     raise app.UsageError(f"give exactly one command, one of: {', '.join(COMMANDS)} "
                          f"(got {' '.join(commands) or 'none'})")
   verbose = flags.FLAGS["verbosity"].present
@@ -252,7 +268,7 @@ def main(argv):
     # line. -v 0 (or --verbosity=0) brings orbax's lines and Python tracebacks back.
     logging.set_verbosity(logging.FATAL)
   try:
-    _RUNNERS[commands[0]]()
+    _RUNNERS[commands[0]](*commands[1:])  # only report takes arguments (folders)
   except KeyboardInterrupt:
     print(f"geonorm_jax {commands[0]}: interrupted", file=sys.stderr)
     sys.exit(EXIT_INTERRUPTED)

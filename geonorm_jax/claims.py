@@ -1,0 +1,421 @@
+"""What every claim experiment (experiments/<claim>.py) shares: its flags, its runs as `train`
+commands (sweep.py), its results folder, and `report`, which rebuilds a folder's tables and
+figures from the folder alone.
+
+An experiment module declares:
+  NAME       the folder name under results/, also stored in config.json for `report`
+  CLAIM      one line: the paper's statement under test
+  SCALES     {"cpu": Scale, "paper": Scale}: the recipe each run starts from
+  CURVES     (split, key prefix) pairs of metrics.jsonl copied into curves.csv
+  grid(args, scale) -> [Variant]      the grid without seeds (args.quick shrinks it)
+  summarize(rows, curves, config) -> Summary     table, verdict and figures, from files only
+and optionally add_arguments(parser), row_extra(run, workdir_config) -> dict, and
+measure(args) -> (rows, curves) for what needs no training (computed in this process, in the
+same row and curve format, after the runs).
+
+A results folder holds results.csv (one row per finished run: labels, seed, final numbers),
+curves.csv (name, split, key, step, value), config.json (the experiment, its scale, seeds and
+every run's overrides), table.md, verdict.json and the figures. `python -m geonorm_jax report
+DIR` reads only results.csv, curves.csv and config.json.
+"""
+import argparse
+import csv
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+from geonorm_jax import metrics, sweep
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VERDICTS = ("reproduced", "not at this scale", "contradicted", "unresolved")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+  config_file: str  # relative to the repository root, e.g. configs/shakespeare.py
+  overrides: str  # preset items every run of this scale gets
+  seeds: str  # default --seeds
+  note: str  # the setting in words, with its runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  name: str  # run name without the seed, e.g. "peri/dt0.1"; the workdir's subpath
+  overrides: str
+  labels: tuple  # (key, value) pairs, columns of results.csv
+
+
+@dataclasses.dataclass
+class Summary:
+  table: list  # markdown lines
+  verdict: str  # one of VERDICTS
+  result: str  # one line: our number(s), mean +- spread and seeds
+  figures: dict = dataclasses.field(default_factory=dict)  # filename -> draw(figure)
+
+
+def variant(name, overrides, **labels):
+  return Variant(name, overrides, tuple(labels.items()))
+
+
+def steps_overrides(steps, evals=5):
+  """A recipe cut to `steps`: warmup a tenth, `evals` validation checks, one final save."""
+  return (f"steps={steps},warmup_steps={max(1, steps // 10)},"
+          f"eval_every={max(1, steps // evals)},checkpoint.every={steps}")
+
+
+def join(*parts):
+  return ",".join(p for p in parts if p)
+
+
+# ---------------------------------------------------------------------------
+# Running an experiment.
+# ---------------------------------------------------------------------------
+
+def parse_args(experiment, argv=None):
+  parser = argparse.ArgumentParser(description=experiment.__doc__.splitlines()[0])
+  parser.add_argument("--scale", choices=("cpu", "paper"), default="cpu",
+                      help="cpu: this machine; paper: the paper's sizes, for an accelerator")
+  parser.add_argument("--seeds", default=None, help="comma list (init and data order); "
+                      "default the scale's")
+  parser.add_argument("--quick", action="store_true", help="the smallest grid that still "
+                      "answers the question roughly (one seed unless --seeds)")
+  parser.add_argument("--extra", default="", help="overrides added to every run, e.g. steps=20")
+  parser.add_argument("--jobs", type=int, default=1, help="runs at a time (processes)")
+  parser.add_argument("--root", default=None, help="folder of the runs' workdirs; default "
+                      "runs/claims/NAME/SCALE")
+  parser.add_argument("--out", default=None, help="results folder; default results/NAME "
+                      "(results/NAME_paper at paper scale)")
+  parser.add_argument("--print", action="store_true", dest="print_only",
+                      help="print one train command per run (for a cluster) and exit")
+  parser.add_argument("--report_only", action="store_true",
+                      help="collect the finished runs without training any")
+  if hasattr(experiment, "add_arguments"):
+    experiment.add_arguments(parser)
+  args = parser.parse_args(argv)
+  scale = experiment.SCALES[args.scale]
+  args.seeds = args.seeds or (scale.seeds.split(",")[0] if args.quick else scale.seeds)
+  try:
+    args.seed_list = [int(s) for s in args.seeds.split(",")]
+  except ValueError:
+    parser.error(f"--seeds: {args.seeds!r} is not a comma list of integers")
+  suffix = "" if args.scale == "cpu" else "_paper"
+  args.root = args.root or os.path.join("runs", "claims", experiment.NAME, args.scale)
+  args.out = args.out or os.path.join(REPO, "results", experiment.NAME + suffix)
+  return args
+
+
+def make_runs(experiment, args):
+  scale = experiment.SCALES[args.scale]
+  runs = []
+  for v in experiment.grid(args, scale):
+    for seed in args.seed_list:
+      overrides = join(scale.overrides, v.overrides, args.extra, "progress_bar=false")
+      runs.append(sweep.Run(f"{v.name}/seed{seed}", scale.config_file, overrides, seed,
+                            args.root, labels=v.labels))
+  if len({run.name for run in runs}) != len(runs):
+    raise ValueError(f"{experiment.NAME}: two runs share a name")
+  for r in runs:  # a bad --extra or grid value: one error now, not one per train process
+    try:
+      load_config(r.config_file, r.overrides, r.seed)
+    except ValueError as e:
+      raise SystemExit(f"{experiment.NAME}: run {r.name}: {e}") from None
+  return runs
+
+
+def run(experiment, argv=None):
+  """Parse the flags, run (or print) the unfinished runs, collect, write and report."""
+  args = parse_args(experiment, argv)
+  runs = make_runs(experiment, args)
+  sweep.execute(args, runs)  # exits after --print
+  finished = [r for r in runs if r.summary() is not None]
+  rows, curves = collect(experiment, finished)
+  if hasattr(experiment, "measure"):
+    measured_rows, measured_curves = experiment.measure(args)
+    rows, curves = rows + measured_rows, curves + measured_curves
+  if not rows:
+    raise SystemExit(f"{experiment.NAME}: no finished run under {args.root}")
+  os.makedirs(args.out, exist_ok=True)
+  sweep.write_csv(os.path.join(args.out, "results.csv"), rows)
+  sweep.write_csv(os.path.join(args.out, "curves.csv"), curves)
+  scale = experiment.SCALES[args.scale]
+  extra_args = {k: v for k, v in vars(args).items()
+                if k not in ("seed_list", "root", "out", "print_only", "report_only", "jobs")}
+  sweep.write_config(os.path.join(args.out, "config.json"), experiment=experiment.NAME,
+                     claim=experiment.CLAIM, command=_command(experiment, argv),
+                     scale=args.scale, scale_note=scale.note,
+                     config_file=scale.config_file, args=extra_args,
+                     runs={r.name: r.overrides for r in runs},
+                     missing=[r.name for r in runs if r.summary() is None])
+  summary = report(args.out)
+  print("\n".join(summary.table))
+  print(f"verdict: {summary.verdict}: {summary.result}")
+  return summary
+
+
+def load_config(config_file, overrides, seed=0):
+  """What `train --config=config_file:overrides --config.seed=S --config.data.seed=S` trains."""
+  path = os.path.join(REPO, config_file)
+  spec = importlib.util.spec_from_file_location("claim_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config(overrides)
+  config.seed = config.data.seed = seed
+  return config
+
+
+def _command(experiment, argv):
+  """The command line that wrote a results folder, as a reader would retype it."""
+  import shlex  # pylint: disable=g-import-not-at-top
+  arguments = sys.argv[1:] if argv is None else argv
+  return shlex.join(["python", f"experiments/{experiment.NAME}.py", *arguments])
+
+
+@functools.lru_cache(maxsize=None)
+def _num_params(model_json):
+  from geonorm_jax import config as config_lib, model as model_lib, spec as spec_lib
+  config = config_lib.from_dict({"model": json.loads(model_json)})
+  _, abstract = model_lib.abstract_params(spec_lib.resolve(config.model))
+  return model_lib.count_params(abstract)
+
+
+def collect(experiment, runs):
+  """results.csv rows and curves.csv rows of the finished runs."""
+  rows, curves = [], []
+  for r in runs:
+    summary = r.summary()
+    with open(os.path.join(r.workdir, "config.json")) as f:
+      run_config = json.load(f)
+    tokens_per_step = run_config["data"]["batch_size"] * run_config["data"]["seq_len"]
+    tokens_per_s = summary.get("tokens_per_s", float("nan"))
+    row = dict(r.labels)
+    row.update(name=r.name, seed=r.seed,
+               params=_num_params(json.dumps(run_config["model"], sort_keys=True)),
+               steps=summary.get("final_step"),
+               tokens=summary.get("final_step", 0) * tokens_per_step,
+               final_eval_loss=summary.get("final_eval_loss", float("nan")),
+               final_train_loss=summary.get("final_train_loss", float("nan")),
+               step_time_s=tokens_per_step / tokens_per_s if tokens_per_s else float("nan"),
+               loss_spikes=summary.get("loss_spikes", 0),
+               skipped_steps=summary.get("skipped_steps", 0),
+               collapse_step=summary.get("collapse_step"))
+    if hasattr(experiment, "row_extra"):
+      row.update(experiment.row_extra(r, run_config))
+    rows.append(row)
+    for record in metrics.read_metrics(r.workdir):
+      for split, prefix in experiment.CURVES:
+        if record.get("split") != split:
+          continue
+        for key, value in record.items():
+          if key.startswith(prefix) and isinstance(value, (int, float)):
+            curves.append({"name": r.name, "split": split, "key": key,
+                           "step": int(record["step"]), "value": float(value)})
+  return rows, curves
+
+
+# ---------------------------------------------------------------------------
+# Reading a results folder back, and `report`.
+# ---------------------------------------------------------------------------
+
+def _number(text):
+  if text in ("", "None"):
+    return None
+  try:
+    value = float(text)
+  except ValueError:
+    return text
+  return int(value) if value.is_integer() and "." not in text and "e" not in text else value
+
+
+def read_csv(path):
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: is this a claim experiment's results folder?")
+  with open(path, newline="") as f:
+    return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def load_experiment(name):
+  """experiments/<name>.py of this repository, as a module."""
+  path = os.path.join(REPO, "experiments", f"{name}.py")
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"config.json names experiment {name!r}, but {path} does not exist")
+  spec = importlib.util.spec_from_file_location(f"claim_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _shown_path(path):
+  relative = os.path.relpath(os.path.abspath(path), REPO)
+  return os.path.abspath(path) if relative.startswith("..") else relative
+
+
+def report(out_dir):
+  """Rebuild table.md, verdict.json and the figures of a results folder from its files."""
+  config_path = os.path.join(out_dir, "config.json")
+  if not os.path.exists(config_path):
+    raise FileNotFoundError(f"{config_path} not found: is {out_dir} a claim results folder?")
+  with open(config_path) as f:
+    config = json.load(f)
+  if "experiment" not in config:
+    raise ValueError(f"{config_path} has no 'experiment' field: not written by a claim "
+                     "experiment")
+  experiment = load_experiment(config["experiment"])
+  rows = read_csv(os.path.join(out_dir, "results.csv"))
+  curves = read_csv(os.path.join(out_dir, "curves.csv"))
+  summary = experiment.summarize(rows, curves, config)
+  if summary.verdict not in VERDICTS:
+    raise ValueError(f"{config['experiment']}: verdict {summary.verdict!r} is not one of "
+                     f"{VERDICTS}")
+  seeds = sorted({row["seed"] for row in rows})
+  steps = sorted({row["steps"] for row in rows if row["steps"]})
+  quick = (" With --quick (a cut grid; the script's docstring says what is cut); steps per run: "
+           + ", ".join(map(str, steps)) + "." if config["args"].get("quick") else "")
+  header = [f"# {config['experiment']}: {config['claim']}", "",
+            f"Setting ({config['scale']} scale): {config['scale_note']}{quick} Seeds: "
+            f"{', '.join(map(str, seeds))} ({len(rows)} finished runs"
+            + (f"; unfinished: {', '.join(config['missing'])}" if config.get("missing") else "")
+            + f"). Written by `{config['command']}`; regenerate with "
+            f"`python -m geonorm_jax report {_shown_path(out_dir)}`.",
+            ""]
+  footer = ["", f"**Verdict: {summary.verdict}.** {summary.result}"]
+  with open(os.path.join(out_dir, "table.md"), "w") as f:
+    f.write("\n".join(header + summary.table + footer) + "\n")
+  with open(os.path.join(out_dir, "verdict.json"), "w") as f:
+    json.dump({"experiment": config["experiment"], "claim": config["claim"],
+               "verdict": summary.verdict, "result": summary.result,
+               "seeds": len(seeds), "runs": len(rows)}, f, indent=2)
+  if summary.figures:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    for filename, draw in summary.figures.items():
+      figure = plt.figure(figsize=(7, 4.5))
+      draw(figure)
+      figure.tight_layout()
+      figure.savefig(os.path.join(out_dir, filename), dpi=110)
+      plt.close(figure)
+  return summary
+
+
+# ---------------------------------------------------------------------------
+# Statistics every summary uses.
+# ---------------------------------------------------------------------------
+
+def group(rows, *keys):
+  """{(values of keys): [rows]} in first-seen order."""
+  out = {}
+  for row in rows:
+    out.setdefault(tuple(row[k] for k in keys), []).append(row)
+  return out
+
+
+def values(rows, key):
+  return np.asarray([np.nan if row[key] is None else row[key] for row in rows], float)
+
+
+def mean_spread(x):
+  """(mean, sample std, n) over the finite values; std NaN with fewer than two."""
+  x = np.asarray(x, float)
+  finite = x[np.isfinite(x)]
+  mean = float(finite.mean()) if len(finite) else float("nan")
+  std = float(finite.std(ddof=1)) if len(finite) > 1 else float("nan")
+  return mean, std, len(x)
+
+
+def fmt(x, digits=3):
+  """'2.183 +- 0.023 (3 seeds)', '2.183 (1 seed)'; non-finite values are counted apart."""
+  x = np.asarray(x, float)
+  mean, std, n = mean_spread(x)
+  bad = int(np.sum(~np.isfinite(x)))
+  text = f"{mean:.{digits}f}" + (f" +- {std:.{digits}f}" if math.isfinite(std) else "")
+  text += f" ({n} seed{'s' if n != 1 else ''}"
+  return text + (f", {bad} non-finite)" if bad else ")")
+
+
+def compare(a, b):
+  """'lower' / 'higher' when mean(a) - mean(b) exceeds twice its standard error (Welch),
+  else 'unresolved' (also with fewer than two finite values on either side)."""
+  (ma, sa, _), (mb, sb, _) = mean_spread(a), mean_spread(b)
+  na, nb = int(np.sum(np.isfinite(a))), int(np.sum(np.isfinite(b)))
+  if na < 2 or nb < 2:
+    return "unresolved"
+  error = math.sqrt(sa ** 2 / na + sb ** 2 / nb)
+  if abs(ma - mb) <= 2 * error:
+    return "unresolved"
+  return "lower" if ma < mb else "higher"
+
+
+def curve(curves, name, key, split="train"):
+  """(steps, values) of one run's scalar in curves.csv, sorted by step."""
+  points = sorted((c["step"], c["value"]) for c in curves
+                  if c["name"] == name and c["key"] == key and c["split"] == split)
+  return (np.asarray([p[0] for p in points], int), np.asarray([p[1] for p in points], float))
+
+
+def diverged(row, curves, warmup_steps):
+  """A run diverged if any step was non-finite (skipped, train.on_divergence=skip) or its
+  train loss, after warmup, rose above its first logged value (the loss at step 1 when
+  log_every=1)."""
+  if row["skipped_steps"] or not math.isfinite(row["final_train_loss"]):
+    return True
+  steps, losses = curve(curves, row["name"], "loss")
+  if not len(steps):
+    return False
+  after = losses[steps > warmup_steps]
+  return bool(np.any(~np.isfinite(after)) or np.any(after > losses[0]))
+
+
+def plot_curves(figure, curves, rows, label_of, key="loss", split="train", ylabel="loss (nats/token)",
+                title="", log_y=False):
+  """Every run's curve of `key`, one colour per label, seeds as thin lines of that colour."""
+  axes = figure.add_subplot(1, 1, 1)
+  labels = list(dict.fromkeys(label_of(row) for row in rows))
+  colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+  seen = set()
+  for row in rows:
+    steps, ys = curve(curves, row["name"], key, split)
+    if not len(steps):
+      continue
+    label = label_of(row)
+    axes.plot(steps, ys, color=colours[label], lw=1.0, alpha=0.8,
+              label=None if label in seen else label)
+    seen.add(label)
+  axes.set_xlabel("training step")
+  axes.set_ylabel(ylabel)
+  if log_y:
+    axes.set_yscale("log")
+  axes.set_title(title, fontsize=9)
+  axes.legend(fontsize=7, ncol=2)
+  axes.grid(alpha=0.3)
+  return axes
+
+
+def cell(rows, key, digits=3):
+  return fmt(values(rows, key), digits)
+
+
+
+def verdict(config, holds):
+  """holds: True (the claim's direction, resolved), False (the opposite, resolved), None.
+  A claim that fails on this machine's small models is 'not at this scale'; one that fails
+  at the paper's scale is 'contradicted'."""
+  if holds is None:
+    return "unresolved"
+  if holds:
+    return "reproduced"
+  return "not at this scale" if config["scale"] == "cpu" else "contradicted"
+
+
+def add_variants_argument(parser, default):
+  parser.add_argument("--variants", default=",".join(default),
+                      help=f"comma list of {', '.join(sweep.PLACEMENT_VARIANTS)}")
+
+
+def variant_list(args):
+  return [(name, sweep.variant_overrides(name)) for name in args.variants.split(",")]

@@ -15,7 +15,8 @@ quiet 2-core CPU; --quick: pre and simplenorm only. Paper scale: configs/llama.p
 (SimpleGPT's 1B size). Writes results/lr_tolerance/{results.csv, curves.csv, table.md,
 config.json, verdict.json, loss_vs_lr.png}.
 Verdict: reproduced when SimpleNorm's largest stable LR is at least 3x Pre-LN's; not
-reproduced when it is below that; unresolved when Pre-LN is stable at no LR.
+reproduced when it is below that; unresolved when Pre-LN is stable at no LR or at the grid's
+largest (the ratio then has no upper end: extend --lrs).
 """
 import os
 import sys
@@ -91,7 +92,8 @@ def summarize(rows, curves, config):
   table += ["", f"Stable: no non-finite step, train loss never above its step-1 value after "
             f"warmup, final validation loss < {max_loss:g}."]
   holds = None
-  if pre and "simplenorm" in best:
+  # With Pre-LN stable at the grid's largest LR, the ratio has no upper end: unresolved.
+  if pre and pre < grid_max and "simplenorm" in best:
     holds = (best["simplenorm"] or 0) >= 3 * pre
   result = ("largest stable lr: " + ", ".join(f"{n} {lr}" for n, lr in best.items())
             + f"; simplenorm / pre = {ratio(best.get('simplenorm'))}.")

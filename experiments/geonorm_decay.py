@@ -92,11 +92,8 @@ def summarize(rows, curves, config):
     axes = figure.add_subplot(1, 1, 1)
     for i, ((schedule, counter), runs) in enumerate(claims.group(rows, "schedule",
                                                                  "counter").items()):
-      cells = claims.group(runs, "alpha")
-      alphas = sorted(a for (a,) in cells)
-      stats = [claims.mean_spread(claims.values(cells[(a,)], "final_eval_loss")) for a in alphas]
-      axes.errorbar(alphas, [s[0] for s in stats], yerr=[0 if s[1] != s[1] else s[1]
-                                                         for s in stats],
+      alphas, means, stds = claims.curve_over(runs, "alpha", "final_eval_loss")
+      axes.errorbar(alphas, means, yerr=stds,
                     marker="o" if counter == "blocks" else "s", capsize=3,
                     color=f"C{SCHEDULES.index(schedule) if schedule in SCHEDULES else i}",
                     ls="-" if counter == "blocks" else "--", label=f"{schedule}, k={counter}")

@@ -101,12 +101,11 @@ def summarize(rows, curves, config):
   def draw(figure):
     axes = figure.add_subplot(1, 1, 1)
     for i, ((name,), runs) in enumerate(claims.group(rows, "variant").items()):
+      lrs, means, _ = claims.curve_over(runs, "lr", "final_eval_loss")
+      axes.plot(lrs, means, marker="o", color=f"C{i}", label=name)
       cells = claims.group(runs, "lr")
-      lrs = sorted(lr for (lr,) in cells)
-      stats = [claims.mean_spread(claims.values(cells[(lr,)], "final_eval_loss")) for lr in lrs]
-      axes.plot(lrs, [s[0] for s in stats], marker="o", color=f"C{i}", label=name)
       bad = [lr for lr in lrs if not all(stable(r, curves, max_loss) for r in cells[(lr,)])]
-      axes.plot(bad, [stats[lrs.index(lr)][0] for lr in bad], "x", ms=10, color=f"C{i}")
+      axes.plot(bad, [means[lrs.index(lr)] for lr in bad], "x", ms=10, color=f"C{i}")
     axes.axhline(max_loss, color="grey", ls=":", label=f"stability threshold {max_loss:g}")
     axes.set_xscale("log")
     axes.set_xlabel("peak learning rate")

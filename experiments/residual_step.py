@@ -70,12 +70,8 @@ def summarize(rows, curves, config):
   def draw(figure):
     axes = figure.add_subplot(1, 1, 1)
     for i, ((name,), runs) in enumerate(claims.group(rows, "variant").items()):
-      by_dt = claims.group(runs, "dt")
-      dts = sorted(dt for (dt,) in by_dt)
-      stats = [claims.mean_spread(claims.values(by_dt[(dt,)], "final_eval_loss")) for dt in dts]
-      axes.errorbar(dts, [s[0] for s in stats], yerr=[0 if s[1] != s[1] else s[1]
-                                                      for s in stats],
-                    marker="o", capsize=3, color=f"C{i}", label=name)
+      dts, means, stds = claims.curve_over(runs, "dt", "final_eval_loss")
+      axes.errorbar(dts, means, yerr=stds, marker="o", capsize=3, color=f"C{i}", label=name)
     axes.set_xscale("log")
     axes.set_xlabel("residual step dt (dimensionless)")
     axes.set_ylabel("final validation loss (nats/token)")

@@ -92,12 +92,8 @@ def summarize(rows, curves, config):
   def spikes(figure):
     axes = figure.add_subplot(1, 1, 1)
     for i, ((name,), runs) in enumerate(claims.group(rows, "variant").items()):
-      cells = claims.group(runs, "seq_len")
-      lengths = sorted(l for (l,) in cells)
-      stats = [claims.mean_spread(claims.values(cells[(l,)], "loss_spikes")) for l in lengths]
-      axes.errorbar(lengths, [s[0] for s in stats], yerr=[0 if s[1] != s[1] else s[1]
-                                                          for s in stats],
-                    marker="o", capsize=3, color=f"C{i}", label=name)
+      lengths, means, stds = claims.curve_over(runs, "seq_len", "loss_spikes")
+      axes.errorbar(lengths, means, yerr=stds, marker="o", capsize=3, color=f"C{i}", label=name)
     axes.set_xscale("log", base=2)
     axes.set_xlabel("sequence length (tokens)")
     axes.set_ylabel(f"loss spikes per run (loss > {factor:g} x running median)")

@@ -328,6 +328,15 @@ def mean_spread(x):
   return mean, std, len(x)
 
 
+def curve_over(runs, x_key, metric):
+  """(xs, means, stds) of `metric` over seeds at each value of `x_key`, xs sorted; a std that
+  one seed leaves undefined is 0, so it draws as no error bar."""
+  cells = group(runs, x_key)
+  xs = sorted(x for (x,) in cells)
+  stats = [mean_spread(values(cells[(x,)], metric)) for x in xs]
+  return xs, [s[0] for s in stats], [0.0 if np.isnan(s[1]) else s[1] for s in stats]
+
+
 def fmt(x, digits=3):
   """'2.183 +- 0.023 (3 seeds)', '2.183 (1 seed)'; non-finite values are counted apart."""
   x = np.asarray(x, float)

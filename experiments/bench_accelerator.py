@@ -1,22 +1,24 @@
 """Training throughput and MFU of GPT-2 124M (bf16, seq 1024) on the accelerator JAX sees.
 
-  python experiments/bench_accelerator.py                    # pre, geonorm, simplenorm (+ probes)
+  python experiments/bench_accelerator.py                    # the default runs below (+ probes)
   python experiments/bench_accelerator.py --size=tiny --dtype=float32 --seq_len=128 \
-      --batch_size=4 --steps=2 --windows=2                   # CPU smoke of every code path
+      --batch_size=4 --steps=2 --windows=2 --vocab_size=0    # CPU smoke of every code path
 
 One process, one prepared run of a few minutes on an H100/H200-class GPU. In order:
   1. the chip's bf16 matmul rate on random 8192^3 operands (the measured ceiling);
-  2. the training step of each `--placements` entry, as the repository builds it (its state
-     initialised on the host: see `init_state_on_host`): one compile step and one more warm-up, then `--windows` timed windows of `--steps` steps each, each
-     window closed by reading its last loss (so every step in it has finished);
-  3. probes of the two suspected slow paths, outside the training step: causal attention
-     (the model's einsum + softmax against jax.nn.dot_product_attention, cuDNN on a GPU) and
-     the LM head + cross-entropy (float32 operands, as the model does, against bf16 operands
-     with float32 accumulation; vocabulary 50257 against 50304 = 393 * 128);
-  4. `--proposals`: the training step again with the model changes those probes suggest,
-     patched in for this process only (see `proposed_model_changes`), to measure what the
-     changes would buy before anyone edits model.py. The first of these runs before the probes.
-     Probes and proposals are skipped once `--budget_s` has run out.
+  2. the training step of each `--runs` entry, as the repository builds it (its state
+     initialised on the host: see `init_state_on_host`): one compile step and one more
+     warm-up, then `--windows` timed windows of `--steps` steps each, each window closed by
+     reading its last loss (so every step in it has finished). A run is a placement followed
+     by config overrides ("pre,attention=dense,vocab_size=50257"), laid over the GPU recipe:
+     model.attention=auto (cuDNN's fused kernel on a GPU in bf16) and the vocabulary padded to
+     `--vocab_size` (50304 = 393 * 128; byte tokens fit any vocabulary). The default list is
+     the three placements of the issue, then the unfused baseline, a doubled batch and
+     scan_layers, each against the first run;
+  3. after the first three runs, probes of the two costly pieces outside the training step:
+     causal attention (dense einsum + softmax against the fused kernel) and the LM head +
+     cross-entropy (float32 against bf16 operands; vocabulary 50257 against 50304).
+     Runs and probes are skipped once `--budget_s` has run out.
 
 MFU = tokens/s * FLOPs/token / peak. FLOPs/token is 6 N + 12 L d T (PaLM appendix B, nanoGPT's
 estimate_mfu) with N the parameters that sit in matmuls: every parameter except the position
@@ -99,11 +101,18 @@ def matmul_params(setup):
   return total - positions - input_table
 
 
-def _config_string(args, placement, vocab_size=None):
-  text = (f"{args.size},placement={placement},dtype={args.dtype},seq_len={args.seq_len},"
+DEFAULT_RUNS = ("pre;geonorm;simplenorm;pre,attention=dense,vocab_size=50257;"
+                "pre,batch_size=64;pre,scan_layers=true")
+
+
+def _config_string(args, run):
+  """The bench's settings, then the run's placement and overrides (later items win)."""
+  text = (f"{args.size},dtype={args.dtype},seq_len={args.seq_len},"
           f"max_seq_len={max(args.seq_len, 256)},batch_size={args.batch_size},"
           f"steps={2 + args.steps * args.windows},warmup_steps=1,progress_bar=false")
-  return text + (f",vocab_size={vocab_size}" if vocab_size else "")
+  if args.vocab_size:
+    text += f",vocab_size={args.vocab_size}"
+  return f"{text},placement={run}"
 
 
 def init_state_on_host(config, setup):
@@ -133,9 +142,9 @@ def probe_device_init(args, placement):
     jax.config.update("jax_threefry_gpu_kernel_lowering", previous)
 
 
-def time_training(args, placement, vocab_size=None):
+def time_training(args, run):
   """Tokens/s of the repository's jitted train step; byte tokens fit any vocabulary."""
-  config = config_lib.get_config(_config_string(args, placement, vocab_size))
+  config = config_lib.get_config(_config_string(args, run))
   setup = train.make_setup(config)
   started = time.perf_counter()
   state = init_state_on_host(config, setup)
@@ -149,7 +158,7 @@ def time_training(args, placement, vocab_size=None):
   compile_s = time.perf_counter() - started
   state, step_metrics = step_fn(state, arrays[1])
   float(step_metrics["loss"])
-  tokens_per_step = args.batch_size * args.seq_len
+  tokens_per_step = config.data.batch_size * config.data.seq_len
   window_rates = []
   for _ in range(args.windows):
     started = time.perf_counter()
@@ -158,9 +167,11 @@ def time_training(args, placement, vocab_size=None):
     final_loss = float(step_metrics["loss"])
     window_rates.append(args.steps * tokens_per_step / (time.perf_counter() - started))
   spec = setup.spec
-  flops = 6.0 * matmul_params(setup) + 12.0 * spec.num_layers * spec.d_model * args.seq_len
+  flops = 6.0 * matmul_params(setup) + 12.0 * spec.num_layers * spec.d_model * config.data.seq_len
   return {
-      "placement": placement, "vocab_size": spec.vocab_size, "init_state_on_host_s": init_s,
+      "placement": spec.placement, "attention": model_lib.attention_impl(spec),
+      "batch_size": config.data.batch_size, "scan_layers": bool(config.model.scan_layers),
+      "vocab_size": spec.vocab_size, "init_state_on_host_s": init_s,
       "first_step_s_incl_compile": compile_s,
       "tokens_per_s": statistics.median(window_rates), "tokens_per_s_windows": window_rates,
       "step_ms": 1e3 * tokens_per_step / statistics.median(window_rates),
@@ -170,45 +181,8 @@ def time_training(args, placement, vocab_size=None):
   }
 
 
-def _fused_attention(q_BxLxHxK, k_BxMxGxK, v_BxMxGxK, scale, impl=None):
-  """The model's causal_attention through jax.nn.dot_product_attention (cuDNN on a GPU)."""
-  return jax.nn.dot_product_attention(q_BxLxHxK, k_BxMxGxK, v_BxMxGxK, scale=scale,
-                                      is_causal=True,
-                                      implementation="cudnn" if _on_gpu() else None)
-
-
-def _bf16_head_logits(self, x_BxLxD):
-  """Transformer.logits with bf16 operands and float32 accumulation (the model casts to float32)."""
-  if self.final_norm is not None:
-    x_BxLxD = self.final_norm(x_BxLxD)
-  head_DxV = self.embed[...].T if self.head is None else self.head[...]
-  logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD.astype(jnp.bfloat16),
-                            head_DxV.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
-  if self.s_z is not None:
-    logits_BxLxV = logits_BxLxV * self.s_z()
-  return logits_BxLxV
-
-
-@contextlib.contextmanager
-def proposed_model_changes(attention, bf16_head):
-  """Swap in the proposed model.py changes for this process only, restoring them after.
-
-  The patched functions compute the same function as model.py's (the attention probe checks
-  the fused kernel against a float32 reference); they exist here only until model.py has them.
-  """
-  saved = model_lib.causal_attention, model_lib.Transformer.logits
-  if attention:
-    model_lib.causal_attention = _fused_attention
-  if bf16_head:
-    model_lib.Transformer.logits = _bf16_head_logits
-  try:
-    yield
-  finally:
-    model_lib.causal_attention, model_lib.Transformer.logits = saved
-
-
 def probe_attention(args, heads, head_dim):
-  """Forward + backward ms of one layer's attention, model einsum vs fused, and their errors."""
+  """Forward + backward ms of one layer's attention, dense einsum vs fused, and their errors."""
   shape = (args.batch_size, args.seq_len, heads, head_dim)
   dtype = jnp.dtype(args.dtype)
   keys = jax.random.split(jax.random.key(1), 4)
@@ -216,18 +190,19 @@ def probe_attention(args, heads, head_dim):
   scale = 1.0 / math.sqrt(head_dim)
 
   # Every array is an argument: a closed-over one would be baked into the executable.
-  def fwd_bwd(attention):
+  def fwd_bwd(impl):
     def loss(q, k, v, cotangent):
-      return jnp.sum(attention(q, k, v, scale).astype(jnp.float32) * cotangent)
+      out = model_lib.causal_attention(q, k, v, scale, impl)
+      return jnp.sum(out.astype(jnp.float32) * cotangent)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
   f32 = lambda t: t.astype(jnp.float32)
-  ref_value, ref_grads = fwd_bwd(model_lib.causal_attention)(f32(q), f32(k), f32(v), cotangent)
-  out = {"shape_BxLxHxK": list(shape)}
-  for name, attention in (("model_einsum", model_lib.causal_attention),
-                          ("fused", _fused_attention)):
+  ref_value, ref_grads = fwd_bwd("dense")(f32(q), f32(k), f32(v), cotangent)
+  fused = "cudnn" if _on_gpu() else "blocked"
+  out = {"shape_BxLxHxK": list(shape), "fused_impl": fused}
+  for name, impl in (("dense", "dense"), ("fused", fused)):
     try:
-      fn = fwd_bwd(attention)
+      fn = fwd_bwd(impl)
       value, grads = fn(q, k, v, cotangent)
       out[name] = {
           "fwd_bwd_ms": 1e3 * _median_seconds(fn, (q, k, v, cotangent), repeats=10),
@@ -262,7 +237,7 @@ def probe_head(args, d_model):
 def _summary_rows(result):
   rows = []
   for run in result["runs"]:
-    rows.append(f"{run['name']:<32} {run['tokens_per_s']:>12,.0f} {run['step_ms']:>8.1f} "
+    rows.append(f"{run['name']:<40} {run['tokens_per_s']:>12,.0f} {run['step_ms']:>8.1f} "
                 f"{100 * run['mfu_vs_datasheet']:>7.1f}% {100 * run['mfu_vs_measured']:>7.1f}% "
                 f"{run['first_step_s_incl_compile']:>7.1f}s {run['final_loss']:>7.3f}")
   return rows
@@ -271,16 +246,18 @@ def _summary_rows(result):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--size", default="gpt2_124m")
-  parser.add_argument("--placements", default="pre,geonorm,simplenorm")
-  parser.add_argument("--proposals", default="pre,geonorm,simplenorm",
-                      help="placements to rerun with the proposed changes ('' = none)")
+  parser.add_argument("--runs", default=DEFAULT_RUNS,
+                      help="';'-separated runs: a placement, then config overrides")
+  parser.add_argument("--vocab_size", type=int, default=PADDED_GPT2_VOCAB,
+                      help="vocabulary of every run unless it overrides it (0 = the size's)")
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--seq_len", type=int, default=1024)
   parser.add_argument("--batch_size", type=int, default=32)
   parser.add_argument("--steps", type=int, default=10, help="steps per timed window")
   parser.add_argument("--windows", type=int, default=3)
   parser.add_argument("--budget_s", type=float, default=0.0,
-                      help="start no probe or proposal run past this many seconds (0 = no limit)")
+                      help="start no probe or run (after the first) past this many seconds "
+                      "(0 = no limit)")
   parser.add_argument("--probe_device_init", action="store_true",
                       help="last, time train.init_state on the accelerator with the threefry "
                       "kernel lowering (may take minutes if that does not help)")
@@ -297,15 +274,15 @@ def main():
       "size": args.size, "dtype": args.dtype, "seq_len": args.seq_len,
       "batch_size": args.batch_size, "steps_per_window": args.steps, "windows": args.windows,
       "peak_flops_datasheet": table_peak, "matmul_rate_measured": matmul,
-      "runs": [], "probes": {}, "host": platform.node(), "date": time.strftime("%Y-%m-%d"),
+      "runs": [], "probes": {}, "errors": {}, "host": platform.node(), "date": time.strftime("%Y-%m-%d"),
   }
   os.makedirs(args.out_dir, exist_ok=True)
   path = os.path.join(args.out_dir,
                       f"accelerator_{device.device_kind.lower().replace(' ', '_')}.json")
 
-  def record(name, run, changes):
+  def record(name, run):
     denominator = jax.device_count()
-    run = {"name": name, "changes": changes, **run,
+    run = {"name": name, **run,
            "mfu_vs_datasheet": metrics.mfu(run["tokens_per_s"], run["model_flops_per_token"],
                                            denominator, table_peak),
            "mfu_vs_measured": metrics.mfu(run["tokens_per_s"], run["model_flops_per_token"],
@@ -318,33 +295,20 @@ def main():
   def in_budget():
     return not args.budget_s or time.perf_counter() - started < args.budget_s
 
-  for placement in filter(None, args.placements.split(",")):
-    record(placement, time_training(args, placement), [])
-  spec = train.make_setup(config_lib.get_config(_config_string(args, "pre"))).spec
-  vocab = PADDED_GPT2_VOCAB if spec.vocab_size == 50257 else None
-  changes = ["fused causal attention", "bf16 LM head"] + ([f"vocab {vocab}"] if vocab else [])
-  proposals = list(filter(None, args.proposals.split(",")))
-
-  def run_probes():
-    result["probes"]["attention"] = probe_attention(args, spec.num_heads, spec.head_dim)
-    result["probes"]["head"] = probe_head(args, spec.d_model)
-    print(json.dumps(result["probes"]), flush=True)
-
-  # The first proposal run comes before the probes: alone it says whether the target is in reach.
-  for index, placement in enumerate(proposals):
-    if index == 1 and in_budget():
-      run_probes()
-    if not in_budget():
-      print(f"budget spent: skipping proposal run for {placement}", flush=True)
+  for index, run in enumerate(filter(None, args.runs.split(";"))):
+    if index == 3 and in_budget():
+      spec = train.make_setup(config_lib.get_config(_config_string(args, "pre"))).spec
+      result["probes"]["attention"] = probe_attention(args, spec.num_heads, spec.head_dim)
+      result["probes"]["head"] = probe_head(args, spec.d_model)
+      print(json.dumps(result["probes"]), flush=True)
+    if index and not in_budget():
+      print(f"budget spent: skipping run {run}", flush=True)
       continue
     try:
-      with proposed_model_changes(attention=True, bf16_head=True):
-        record(f"{placement}+proposed", time_training(args, placement, vocab), changes)
-    except Exception as e:  # e.g. no cuDNN attention kernel: keep the baselines and probes
-      result["probes"][f"{placement}+proposed_error"] = f"{type(e).__name__}: {e}"[:500]
-      print(result["probes"][f"{placement}+proposed_error"], flush=True)
-  if len(proposals) < 2 and in_budget():
-    run_probes()
+      record(run, time_training(args, run))
+    except Exception as e:  # e.g. out of memory at a doubled batch: keep the other runs
+      result["errors"][run] = f"{type(e).__name__}: {e}"[:500]
+      print(f"run {run} failed: {result['errors'][run]}", flush=True)
   # Last: if the kernel lowering does not cure the slow compile, only this probe is lost.
   if args.probe_device_init and in_budget():
     result["probes"]["device_init_threefry_kernel"] = probe_device_init(args, "pre")
@@ -354,7 +318,7 @@ def main():
     json.dump(result, f, indent=2)
   print(f"\n{device.device_kind}: matmul {matmul['flops_per_s'] / 1e12:.0f} TFLOP/s measured, "
         f"{table_peak / 1e12:.0f} datasheet; batch {args.batch_size} x {args.seq_len}")
-  print(f"{'run':<32} {'tokens/s':>12} {'step_ms':>8} {'MFU(ds)':>8} {'MFU(ms)':>8} "
+  print(f"{'run':<40} {'tokens/s':>12} {'step_ms':>8} {'MFU(ds)':>8} {'MFU(ms)':>8} "
         f"{'compile':>8} {'loss':>7}")
   print("\n".join(_summary_rows(result)))
   print(json.dumps(result["probes"], indent=1))

@@ -45,11 +45,20 @@ def init_std(spec, role, layer=None):
 _STREAM_AXES = ("batch", "length", None)
 
 
-def attention_impl(spec):
-  """spec.attention with `auto` resolved for the backend the program is compiled for."""
+def attention_impl(spec, backend=None):
+  """spec.attention with `auto` resolved for the backend the program is compiled for.
+
+  auto: blocked on a CPU; cuDNN's fused kernel on a GPU when it applies (16-bit compute,
+  head_dim a multiple of 8 up to 128); dense otherwise.
+  """
   if spec.attention != "auto":
     return spec.attention
-  return "blocked" if jax.default_backend() == "cpu" else "dense"
+  backend = backend or jax.default_backend()
+  if backend == "cpu":
+    return "blocked"
+  fused_ok = (backend in ("gpu", "cuda") and spec.dtype in ("bfloat16", "float16")
+              and spec.head_dim % 8 == 0 and spec.head_dim <= 128)
+  return "cudnn" if fused_ok else "dense"
 
 
 def _stream_norm(spec, placement, width, axis_name, site):

@@ -279,3 +279,15 @@ def test_attention_choice_does_not_change_the_model():
   np.testing.assert_allclose(logits["blocked"], logits["dense"], atol=1e-5)
   with pytest.raises(ValueError, match="model.attention"):
     spec_lib.resolve(config_lib.get_config("attention=flash").model)
+
+
+def test_auto_attention_picks_the_fused_kernel_only_where_it_applies():
+  def resolved(arg, backend):
+    return model_lib.attention_impl(spec_lib.resolve(config_lib.get_config(arg).model), backend)
+  assert resolved("dtype=bfloat16", "cpu") == "blocked"
+  assert resolved("dtype=bfloat16", "gpu") == "cudnn"
+  assert resolved("dtype=float32", "gpu") == "dense"  # cuDNN's fused kernel is 16-bit only
+  assert resolved("dtype=bfloat16,d_model=160,num_heads=1", "gpu") == "dense"  # head_dim 160
+  assert resolved("dtype=bfloat16,d_model=132,num_heads=4", "gpu") == "dense"  # head_dim 33
+  assert resolved("dtype=bfloat16", "tpu") == "dense"
+  assert resolved("dtype=bfloat16,attention=dense", "gpu") == "dense"

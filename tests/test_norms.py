@@ -110,6 +110,74 @@ def test_geodesic_gradient_matches_finite_differences():
   np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-8)
 
 
+def _plain_norm(x, gain, bias, center, eps=1e-5):
+  """LayerNorm / RMSNorm as a plain formula, differentiated by JAX: the reference for the
+  written-out derivative of norms._normalize."""
+  mean = jnp.mean(x, -1, keepdims=True) if center else 0.0
+  y = (x - mean) / jnp.sqrt(jnp.mean((x - mean) ** 2, -1, keepdims=True) + eps)
+  y = y if gain is None else y * gain
+  return y if bias is None else y + bias
+
+
+def _derivatives(fn, args, argnums, weights, direction):
+  """Value, gradient, Hessian-vector product (forward over reverse) and forward-mode JVP."""
+  objective = lambda *a: jnp.sum(jnp.sin(fn(*a)) * weights)
+  grads = jax.grad(objective, argnums=argnums)(*args)
+  hvp = jax.jvp(lambda x: jax.grad(objective)(x, *args[1:]), (args[0],), (direction,))[1]
+  jvp = jax.jvp(lambda x: fn(x, *args[1:]), (args[0],), (direction,))[1]
+  return (fn(*args),) + tuple(grads) + (hvp, jvp)
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "layernorm_no_bias", "rmsnorm", "rmsnorm_no_gain"])
+def test_norm_derivatives_equal_autodiff_of_the_formula(kind):
+  x, gain, bias = _rand(0, 2, 3, 16) * 3 + 1, _rand(1, 16), _rand(2, 16)
+  gain = None if kind == "rmsnorm_no_gain" else gain
+  bias = bias if kind == "layernorm" else None
+  center = kind.startswith("layernorm")
+  ours = (lambda x, g, b: norms.layer_norm(x, g, b)) if center else \
+      (lambda x, g, b: norms.rms_norm(x, g))
+  args = (x, gain, bias)
+  argnums = tuple(i for i, a in enumerate(args) if a is not None)
+  weights, direction = _rand(3, *x.shape), _rand(4, *x.shape)
+  with jax.enable_x64(True):
+    got = _derivatives(ours, args, argnums, weights, direction)
+    want = _derivatives(lambda x, g, b: _plain_norm(x, g, b, center), args, argnums, weights,
+                        direction)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["generic", "clamped", "parallel", "zero", "small_angle",
+                                  "large_step"])
+def test_geodesic_derivatives_equal_autodiff_of_the_exponential_map(case):
+  """geodesic_update's written-out derivative against JAX's derivative of exp_map(x, alpha v):
+  gradients in x, g and alpha, a Hessian-vector product and forward mode, in float64."""
+  x, g = _rand(0, 3, 5, 16), _rand(1, 3, 5, 16)
+  g = {"parallel": 3.0 * x, "zero": 0.0 * x, "small_angle": 1e-5 * g}.get(case, g)
+  alpha = 2.0 if case == "large_step" else 0.7
+  theta_max = 0.5 if case == "clamped" else None
+  weights, direction = _rand(3, *x.shape), _rand(4, *x.shape)
+  reference = lambda x, g, a: norms.exp_map(x, a * norms.tangent_project(x, g), theta_max)
+  with jax.enable_x64(True):
+    got = _derivatives(lambda x, g, a: norms.geodesic_update(x, g, a, theta_max),
+                       (x, g, jnp.float64(alpha)), (0, 1, 2), weights, direction)
+    want = _derivatives(reference, (x, g, jnp.float64(alpha)), (0, 1, 2), weights, direction)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-9, atol=1e-11)
+
+
+def test_geodesic_gradient_in_float32_is_as_accurate_as_autodiff():
+  """At small angles the slope of sin(theta)/theta cancels in float32; its series keeps the
+  float32 gradient within float32 rounding of the float64 one."""
+  x, g, weights = _rand(0, 4, 32), 1e-3 * _rand(1, 4, 32), _rand(2, 4, 32)
+  objective = lambda x, g: jnp.sum(norms.geodesic_update(x, g, 0.7) * weights)
+  with jax.enable_x64(True):
+    want = jax.grad(objective, argnums=(0, 1))(x, g)
+  got = jax.grad(objective, argnums=(0, 1))(jnp.float32(x), jnp.float32(g))
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=0, atol=5e-7 * np.max(np.abs(b)))
+
+
 def test_post_norm_is_metric_projection_onto_sphere():
   """Post-Norm without gain is sqrt(d) (x+g)/|x+g|: the closest point of the sqrt(d) sphere."""
   d = 64

@@ -28,8 +28,8 @@ matmul of 2 V d FLOPs per token forward, so it stays in N as nanoGPT keeps it.
 Two denominators: the datasheet's dense peak (metrics.device_peak_flops) and the rate measured
 in step 1.
 
-Writes `<out_dir>/accelerator_<device_kind>.json` after every run, so a cut-off run keeps what
-it measured, and prints a table last.
+Writes `<out_dir>/accelerator_<device_kind>[_<tag>].json` after every run, so a cut-off run
+keeps what it measured, and prints a table last.
 """
 import argparse
 import contextlib
@@ -262,6 +262,7 @@ def main():
                       help="last, time train.init_state on the accelerator with the threefry "
                       "kernel lowering (may take minutes if that does not help)")
   parser.add_argument("--out_dir", default=os.path.join(REPO, "results", "bench"))
+  parser.add_argument("--tag", default="", help="appended to the results file's name")
   args = parser.parse_args()
   started = time.perf_counter()
   device = jax.devices()[0]
@@ -278,7 +279,8 @@ def main():
   }
   os.makedirs(args.out_dir, exist_ok=True)
   path = os.path.join(args.out_dir,
-                      f"accelerator_{device.device_kind.lower().replace(' ', '_')}.json")
+                      f"accelerator_{device.device_kind.lower().replace(' ', '_')}"
+                      f"{'_' + args.tag if args.tag else ''}.json")
 
   def record(name, run):
     denominator = jax.device_count()

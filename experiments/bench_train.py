@@ -20,7 +20,8 @@ few steps each (a shared machine drifts; alternation hits both alike), medians r
   python experiments/bench_train.py [--parts=models,gemm,ablation,placements,losses]
 
 Writes results/bench/train.json (every round's numbers, the machine, the load average before
-and after). About 10 minutes on 2 cores; run it on a quiet machine.
+and after); parts not rerun keep their earlier figures, and `part_dates` says when each part
+was measured. About 10 minutes on 2 cores; run it on a quiet machine.
 """
 import argparse
 import contextlib
@@ -300,10 +301,19 @@ def main():
       "settings": {"rounds": args.rounds, "steps_per_round": args.steps, "dtype": "float32",
                    "recipe": RECIPE},
   }
+  path = pathlib.Path(args.output)
+  # Parts not rerun keep their previous figures, with the date they were measured.
+  previous = json.loads(path.read_text()) if path.exists() else {}
+  measured = dict(previous.get("part_dates", {}))
+  for part in PARTS:
+    if part in previous and part not in args.parts.split(","):
+      result[part] = previous[part]
+      measured.setdefault(part, previous.get("date"))
   for part in args.parts.split(","):
     result[part] = PARTS[part](args)
+    measured[part] = result["date"]
+  result["part_dates"] = measured
   result["machine"]["loadavg_after"] = os.getloadavg()
-  path = pathlib.Path(args.output)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(result, indent=2) + "\n")
   print("wrote", path)

@@ -385,14 +385,19 @@ def plot_curves(figure, curves, rows, label_of, key="loss", split="train", ylabe
   """Every run's curve of `key`, one colour per label, seeds as thin lines of that colour."""
   axes = figure.add_subplot(1, 1, 1)
   labels = list(dict.fromkeys(label_of(row) for row in rows))
-  colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+  # Past ten labels the default cycle repeats: take tab20 and alternate the line style.
+  many = len(labels) > 10
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  colours = {label: matplotlib.colormaps["tab20"](i % 20) if many else f"C{i}"
+             for i, label in enumerate(labels)}
+  styles = {label: ("-", "--", "-.")[i % 3] if many else "-" for i, label in enumerate(labels)}
   seen = set()
   for row in rows:
     steps, ys = curve(curves, row["name"], key, split)
     if not len(steps):
       continue
     label = label_of(row)
-    axes.plot(steps, ys, color=colours[label], lw=1.0, alpha=0.8,
+    axes.plot(steps, ys, color=colours[label], ls=styles[label], lw=1.0, alpha=0.8,
               label=None if label in seen else label)
     seen.add(label)
   axes.set_xlabel("training step")

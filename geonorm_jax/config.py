@@ -37,8 +37,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   model.init_std = 0.02
   model.dtype = "float32"  # compute dtype; params stay float32
   model.remat = False  # rematerialise each block in the backward pass
-  # auto (blocked on a CPU, cudnn on a GPU in bf16/fp16, dense elsewhere) | dense (full L x L scores, masked) | blocked
-  # (blocks of queries that skip the masked keys) | cudnn (fused kernel, NVIDIA GPUs only).
+  # auto (blocked on a CPU, cudnn on a GPU in bf16/fp16, dense elsewhere) | dense (full L x L
+  # scores, masked) | blocked (blocks of queries that skip the masked keys) | cudnn (fused
+  # kernel, NVIDIA GPUs only).
   # Every choice computes the same function; they differ in speed (results/bench/train.json).
   model.attention = "auto"
   # One block's parameters stacked along a leading `layers` axis and the blocks run as a

@@ -32,7 +32,6 @@ Writes `<out_dir>/accelerator_<device_kind>[_<tag>].json` after every run, so a 
 keeps what it measured, and prints a table last.
 """
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -275,7 +274,8 @@ def main():
       "size": args.size, "dtype": args.dtype, "seq_len": args.seq_len,
       "batch_size": args.batch_size, "steps_per_window": args.steps, "windows": args.windows,
       "peak_flops_datasheet": table_peak, "matmul_rate_measured": matmul,
-      "runs": [], "probes": {}, "errors": {}, "host": platform.node(), "date": time.strftime("%Y-%m-%d"),
+      "runs": [], "probes": {}, "errors": {}, "host": platform.node(),
+      "date": time.strftime("%Y-%m-%d"),
   }
   os.makedirs(args.out_dir, exist_ok=True)
   path = os.path.join(args.out_dir,

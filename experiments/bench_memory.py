@@ -365,8 +365,8 @@ def markdown(result):
     if check:
       lines += ["", f"remat and the compiled buffers ({check['setting']}): temporaries "
                 f"{check['temporaries_bytes_no_remat'] / 2**20:,.1f} MiB without, "
-                f"{check['temporaries_bytes_remat'] / 2**20:,.1f} MiB with remat: on the CPU backend "
-                "remat buys no memory (why XLA's CPU schedule keeps the activations was not "
+                f"{check['temporaries_bytes_remat'] / 2**20:,.1f} MiB with remat: on the CPU "
+                "backend remat buys no memory (why XLA's CPU schedule keeps the activations was not "
                 "investigated; the device table above is compiled for CPU devices too)."]
   hessian = result.get("hessian")
   if hessian:

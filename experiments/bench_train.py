@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import math
 import os
 import pathlib
 import platform

@@ -134,7 +134,7 @@ def _geodesic_terms(x32, g32, alpha32, theta_max):
   v = g32 - c * x32
   q = _dot(v, v)
   u = alpha32 * alpha32 * q / s
-  return (s, c, q, v) + _geodesic_coefficients_and_slopes(u, theta_max)
+  return (s, c, q) + _geodesic_coefficients_and_slopes(u, theta_max)
 
 
 def _geodesic_coefficients_and_slopes(angle_sq, theta_max):
@@ -163,7 +163,7 @@ def _geodesic_coefficients_and_slopes(angle_sq, theta_max):
 def _geodesic_update(x, g, alpha, theta_max):
   x32, g32 = _f32(x), _f32(g)
   alpha32 = alpha.astype(x32.dtype)
-  _, c, _, _, cos_coef, sin_over_theta, _, _ = _geodesic_terms(x32, g32, alpha32, theta_max)
+  _, c, _, cos_coef, sin_over_theta, _, _ = _geodesic_terms(x32, g32, alpha32, theta_max)
   w = alpha32 * sin_over_theta
   # Materialised per row: else XLA (CPU) fused them into the elementwise loops of several
   # layers at once and recomputed cos/sin for every feature.
@@ -182,7 +182,7 @@ def _geodesic_update_jvp(theta_max, primals, tangents):
   dx, dg, dalpha = tangents
   x32, g32, dx32, dg32 = _f32(x), _f32(g), _f32(dx), _f32(dg)
   alpha32, dalpha32 = alpha.astype(x32.dtype), dalpha.astype(x32.dtype)
-  s, c, q, _, cos_coef, sin_over_theta, dcos, dsin_over_theta = _geodesic_terms(
+  s, c, q, cos_coef, sin_over_theta, dcos, dsin_over_theta = _geodesic_terms(
       x32, g32, alpha32, theta_max)
   w = alpha32 * sin_over_theta
   a_coef = cos_coef - w * c

@@ -27,13 +27,23 @@ linear map of every block (activation taps: those of blocks.0.attn.q and blocks.
 Embedding and head are never scaled. Note pre + qk_norm normalises q per head after the
 q map, so its `q` scope is a Norm(Wx) case too; geonorm's maps are plain.
 
-  python experiments/hessian_vs_weight_scale.py [--report_only]
+  python experiments/hessian_vs_weight_scale.py [--seeds=0,1,2] [--report_only]
 
-Writes results/hessian_vs_weight_scale/{results.csv, results.md, loglog.png}; trained
-checkpoints are kept in runs/hessian_vs_weight_scale/ and reused on a second run.
-About 8-10 minutes on a 2-core CPU (most of it XLA compilation and training).
+Each seed trains every placement from its own init and data order (config.seed = data.seed),
+and its Lanczos runs start from their own random vector. Writes
+results/hessian_vs_weight_scale/{results.csv, results.md, verdict.json, loglog.png}; trained
+checkpoints are kept in runs/hessian_vs_weight_scale/ and reused on a second run, and seeds
+already in results.csv are not measured again. About 8-10 minutes a seed on a 2-core CPU (most
+of it XLA compilation and training).
+Verdict (the claim's quantity, lambda_max w.r.t. the input of the normalised map): reproduced
+when, in every seed, SimpleNorm's `up` input Hessian and Pre-LN + qk_norm's `q` input Hessian
+vary by less than FLAT_SPREAD (max/min over c) while a plain map's (Pre-LN's `up`) grows with a
+fitted log-log slope above PLAIN_SLOPE; not reproduced when a normalised one is not flat in some
+seed; unresolved otherwise.
 """
+import argparse
 import csv
+import json
 import os
 import pathlib
 import re
@@ -46,7 +56,7 @@ import numpy as np
 from flax import nnx
 
 from geonorm_jax import config as config_lib
-from geonorm_jax import hessian, losses, metrics, paths, train
+from geonorm_jax import claims, hessian, losses, metrics, paths, train
 from geonorm_jax.hessian_progress import HessianProgress, Stage
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -75,17 +85,23 @@ SCOPES = {"q": ("blocks.0.attn.q",), "up": ("blocks.0.mlp.up",), "all": None}
 LINEAR = r"^blocks\.\d+\.(attn\.(q|k|v|o)|mlp\.(up|gate|down))\.(kernel|bias)$"
 
 
-def train_or_restore(name):
+FLAT_SPREAD = 1.05
+PLAIN_SLOPE = 0.5
+DEFAULT_SEEDS = "0,1,2"
+
+
+def train_or_restore(name, seed):
   """(setup, params, eval loss) of the trained run; trains only what is missing."""
-  workdir = str(RUN_DIR / name)
+  workdir = str(RUN_DIR / (name if seed == 0 else f"{name}_seed{seed}"))
   config = config_lib.get_config(BASE + PLACEMENTS[name])
+  config.seed = config.data.seed = seed
   started = time.perf_counter()
   train.train(config, workdir)  # resumes; a finished run returns at once
   _, setup, state = train.restore_params(workdir)
   # From metrics.jsonl: a resumed, already finished run reports no eval in its summary.
   evals = [r for r in metrics.read_metrics(workdir) if r["split"] == "eval"]
   eval_loss = evals[-1]["loss"] if evals else float("nan")
-  print(f"[{name}] trained to step {int(state['step'])}, eval loss {eval_loss:.3f} "
+  print(f"[{name} seed {seed}] trained to step {int(state['step'])}, eval loss {eval_loss:.3f} "
         f"({time.perf_counter() - started:.0f} s)", flush=True)
   return setup, state["params"], eval_loss
 
@@ -156,22 +172,23 @@ def make_measure(setup, tokens_BxL1, progress=None):
 RUNS_PER_MEASURE = 5  # four activation taps and the parameter block
 
 
-def measure_placement(name, setup, params, tokens_BxL1):
+def measure_placement(name, seed, setup, params, tokens_BxL1):
   paths = linear_paths(params)
   products = RUNS_PER_MEASURE * NUM_STEPS * len(SCALES)
   # The plan, the estimated time after the first product and a bar with an ETA, as the CLI's
   # `hessian` command prints them.
   progress = HessianProgress(
       [Stage(scope, f"{len(SCALES)} scales x {RUNS_PER_MEASURE} Lanczos, {NUM_STEPS} steps",
-             products) for scope in SCOPES], f"Hessian vs weight scale [{name}]")
+             products) for scope in SCOPES], f"Hessian vs weight scale [{name}, seed {seed}]")
   measure = make_measure(setup, tokens_BxL1, progress)
-  key = jax.random.key(0)
+  key = jax.random.key(seed)
   rows = []
   progress.start()
   try:
     for scope, maps in SCOPES.items():
       progress.stage(scope)
-      rows += _measure_scope(name, scope, maps, measure, params, paths, key, progress)
+      rows += [dict(r, seed=seed) for r in _measure_scope(name, scope, maps, measure, params,
+                                                          paths, key, progress)]
   finally:
     jax.effects_barrier()  # the last progress callbacks have run
     progress.close()
@@ -225,6 +242,52 @@ def fit_slopes(rows):
   return slopes
 
 
+def over_seeds(rows):
+  """(placement, scope, quantity, where) -> [(seed, fitted slope, max/min of lambda over c)]."""
+  out = {}
+  for seed in sorted({r["seed"] for r in rows}):
+    subset = [r for r in rows if r["seed"] == seed]
+    for key, (slope, _, _) in fit_slopes(subset).items():
+      values = [r["lambda_max"] for r in subset
+                if (r["placement"], r["scope"], r["quantity"], r["where"]) == key]
+      spread = max(values) / min(values) if min(values) > 0 else float("nan")
+      out.setdefault(key, []).append((seed, slope, spread))
+  return out
+
+
+NORMALISED = (("simplenorm", "up", "act_in", "blocks.0.mlp.up.in"),
+              ("pre_qk_norm", "q", "act_in", "blocks.0.attn.q.in"))
+PLAIN = ("pre", "up", "act_in", "blocks.0.mlp.up.in")
+
+
+def verdict(per_seed):
+  """The rule of the docstring: (verdict, result text) from over_seeds()."""
+  if not all(per_seed.get(key) for key in NORMALISED + (PLAIN,)):
+    return "unresolved", "a placement or tap of the rule was not measured"
+  spreads = {key: [spread for _, _, spread in per_seed[key]] for key in NORMALISED}
+  plain_slopes = [slope for _, slope, _ in per_seed[PLAIN]]
+  result = ("lambda_max of the input Hessian, max/min over c in "
+            f"{min(SCALES):g}..{max(SCALES):g}: "
+            + "; ".join(f"{key[0]} `{key[1]}` {claims.fmt(spreads[key], 4)}" for key in NORMALISED)
+            + f"; a plain map (pre `up`) grows with slope {claims.fmt(plain_slopes, 2)}")
+  if not all(v < FLAT_SPREAD for values in spreads.values() for v in values):
+    return "not at this scale", result
+  if all(v > PLAIN_SLOPE for v in plain_slopes):
+    return "reproduced", result
+  return "unresolved", result
+
+
+def write_verdict(per_seed, path):
+  outcome, result = verdict(per_seed)
+  seeds = sorted({seed for values in per_seed.values() for seed, _, _ in values})
+  with open(path, "w") as f:
+    json.dump({"experiment": "hessian_vs_weight_scale",
+               "claim": "the curvature at the input of Norm(Wx) does not depend on the weight "
+                        "scale", "verdict": outcome, "result": result, "seeds": len(seeds)},
+              f, indent=2)
+  return outcome, result
+
+
 def write_csv(rows, path):
   with open(path, "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -258,8 +321,14 @@ def plot(rows, path):
           if not sel:
             continue
           label = name if quantity == "params" else f"{name} ({where.split('.')[-1]})"
-          ax.loglog([r["c"] for r in sel], [r["lambda_max"] for r in sel], style,
+          by_c = {}
+          for r in sel:
+            by_c.setdefault(r["c"], []).append(max(r["lambda_max"], 1e-30))
+          cs = sorted(by_c)
+          ax.loglog(cs, [np.exp(np.mean(np.log(by_c[v]))) for v in cs], style,
                     marker="o", ms=3, color=colors[name], label=label)
+          ax.fill_between(cs, [min(by_c[v]) for v in cs], [max(by_c[v]) for v in cs],
+                          color=colors[name], alpha=0.15, lw=0)
       for slope, ls in ((0, ":"), (2, ":"), (-2, ":")):
         ref = [r["lambda_max"] for r in rows if r["scope"] == scope
                and r["quantity"] == quantity and r["c"] == 1.0]
@@ -274,8 +343,10 @@ def plot(rows, path):
       ax.set_ylabel("lambda_max")
       if (i == 0 and j < 2) or (quantity == "params" and j == 0):
         ax.legend(fontsize=7)
-  fig.suptitle("Top Hessian eigenvalue vs weight scale. Activation taps: solid "
-               "blocks.0.mlp.up, dashed blocks.0.attn.q; gray: slopes 0, +2, -2", fontsize=10)
+  seeds = len({r["seed"] for r in rows})
+  fig.suptitle(f"Top Hessian eigenvalue vs weight scale, geometric mean over {seeds} seed(s), "
+               "band: min-max. Activation taps: solid blocks.0.mlp.up, dashed blocks.0.attn.q; "
+               "gray: slopes 0, +2, -2", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -315,7 +386,7 @@ def reading(rows, slopes, prenorm):
   lines = [
       "## Reading: three statements, kept apart",
       "",
-      "Prose written for the run recorded here; every number is read from results.csv.",
+      "Prose written for seed 0's run; every number is read from results.csv.",
       "",
       "**1. The Hessian w.r.t. the input x of Norm(Wx) does not depend on c (the claim's "
       "quantity, tap `.in`).**",
@@ -389,7 +460,20 @@ def reading(rows, slopes, prenorm):
   return lines
 
 
-def write_markdown(rows, slopes, eval_losses, prenorm, path, wall_s):
+def _significant(values):
+  """'12.3 +- 0.4 (3 seeds)' with 3 significant digits: max/min runs from 1 to 1e7 here."""
+  mean, std, n = claims.mean_spread(values)
+  text = f"{mean:.4g}" + (f" +- {std:.2g}" if np.isfinite(std) else "")
+  return text + f" ({n} seed{'s' if n != 1 else ''})"
+
+
+def write_markdown(rows, eval_losses, prenorm, path, wall_s):
+  """results.md: the verdict and the slopes over seeds, then seed 0's run in full."""
+  per_seed = over_seeds(rows)
+  outcome, result = verdict(per_seed)
+  first = min(r["seed"] for r in rows)
+  rows = [r for r in rows if r["seed"] == first]
+  slopes = fit_slopes(rows)
   lines = [
       "# Hessian vs weight scale (W -> cW), tiny GPT, 4 placements",
       "",
@@ -400,16 +484,27 @@ def write_markdown(rows, slopes, eval_losses, prenorm, path, wall_s):
       f"map's bias scaled too. Hessians on {HESSIAN_BATCH} validation sequences; lambda_max "
       f"by {NUM_STEPS}-step Lanczos (residual bounds in results.csv).",
       "",
-      "| placement | eval loss after training |",
-      "|---|---|",
+      f"**Verdict: {outcome}.** {result} (rule: the script's docstring; FLAT_SPREAD = "
+      f"{FLAT_SPREAD}, PLAIN_SLOPE = {PLAIN_SLOPE}).",
+      "",
+      "## Over seeds: fitted slope and max/min of lambda_max over c, mean +- sample std",
+      "",
+      "| placement | scope | quantity | where | slope | max/min over c |",
+      "|---|---|---|---|---|---|",
   ]
-  for name, loss in eval_losses.items():
-    lines.append(f"| {name} | {loss:.3f} |")
+  for (name, scope, quantity, where), values in per_seed.items():
+    lines.append(f"| {name} | {scope} | {quantity} | {where} | "
+                 f"{claims.fmt([v[1] for v in values], 2)} | "
+                 f"{_significant([v[2] for v in values])} |")
+  lines += ["", "| placement | seed | eval loss after training |", "|---|---|---|"]
+  for (name, seed), loss in eval_losses.items():
+    lines.append(f"| {name} | {seed} | {loss:.3f} |")
+  lines += ["", f"Everything below is seed {first}'s run."]
   if prenorm:
     lines += ["", "SimpleNorm, mean((Wx + b)^2) entering the norm at c=1 (norm eps = 1e-5): "
               + ", ".join(f"{k}: {v:.3g}" for k, v in prenorm.items()) + "."]
   lines += [""] + reading(rows, slopes, prenorm)
-  lines += ["## Fitted log-log slopes d log(lambda_max) / d log(c)", "",
+  lines += [f"## Fitted log-log slopes d log(lambda_max) / d log(c), seed {first}", "",
             "Least squares over c in {" + ", ".join(f"{c:g}" for c in SCALES) + "}; "
             "[min, max] of the local slopes between neighbouring c in brackets.", ""]
   lines.append("| placement | scope | quantity | where | slope | local [min, max] |")
@@ -417,7 +512,7 @@ def write_markdown(rows, slopes, eval_losses, prenorm, path, wall_s):
   for (name, scope, quantity, where), (slope, lo, hi) in slopes.items():
     lines.append(f"| {name} | {scope} | {quantity} | {where} | {slope:+.2f} | "
                  f"[{lo:+.2f}, {hi:+.2f}] |")
-  lines += ["", "## lambda_max per c", "",
+  lines += ["", f"## lambda_max per c, seed {first}", "",
             "| placement | scope | quantity | where | " + " | ".join(f"c={c:g}" for c in SCALES)
             + " |", "|---|---|---|---|" + "---|" * len(SCALES)]
   table = {}
@@ -431,41 +526,57 @@ def write_markdown(rows, slopes, eval_losses, prenorm, path, wall_s):
 
 
 def read_csv(path):
+  """results.csv's rows; a file written before seeds existed holds seed 0."""
   with open(path) as f:
     rows = list(csv.DictReader(f))
   for r in rows:
     for key in ("c", "lambda_max", "residual_bound", "loss"):
       r[key] = float(r[key])
+    r["seed"] = int(r.get("seed") or 0)
   return rows
 
 
-def main(report_only=False):
-  """Train (or reuse), measure, write; with report_only, rebuild md/png from results.csv."""
+def main(argv=None):
+  """Train (or reuse), measure the seeds not yet in results.csv, write; with --report_only,
+  rebuild results.md, verdict.json and the figure from results.csv."""
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--seeds", default=DEFAULT_SEEDS, help="comma list (init and data order)")
+  parser.add_argument("--report_only", action="store_true")
+  args = parser.parse_args(argv)
   started = time.perf_counter()
   os.makedirs(OUT_DIR, exist_ok=True)
-  rows, eval_losses, prenorm = [], {}, {}
-  for name in PLACEMENTS:
-    setup, params, eval_losses[name] = train_or_restore(name)
-    tokens = np.asarray(jax.device_get(train.eval_batches(setup)[0]))[0, :HESSIAN_BATCH]
-    tokens = jnp.asarray(tokens, jnp.int32)
-    if not report_only:
-      rows += measure_placement(name, setup, params, tokens)
-    if name == "simplenorm":
-      prenorm = simplenorm_prenorm_scale(setup, params, tokens)
-      if not report_only:
-        eps_config = config_lib.get_config(BASE + PLACEMENTS[name] + ",norm_eps=1e-12")
-        rows += measure_placement(EPS_VARIANT, train.make_setup(eps_config), params, tokens)
+  csv_path = OUT_DIR / "results.csv"
+  kept = read_csv(csv_path) if csv_path.exists() else []
+  done = {r["seed"] for r in kept}
+  seeds = sorted(done) if args.report_only else [int(s) for s in args.seeds.split(",")]
+  others = [r for r in kept if r["seed"] not in seeds]  # stay in the file, not in this report
+  rows = [r for r in kept if r["seed"] in seeds]
+  eval_losses, prenorm = {}, {}
+  for seed in seeds:
+    for name in PLACEMENTS:
+      setup, params, eval_losses[name, seed] = train_or_restore(name, seed)
+      tokens = np.asarray(jax.device_get(train.eval_batches(setup)[0]))[0, :HESSIAN_BATCH]
+      tokens = jnp.asarray(tokens, jnp.int32)
+      measure = not args.report_only and seed not in done
+      if measure:
+        rows += measure_placement(name, seed, setup, params, tokens)
+      if name == "simplenorm":
+        if seed == seeds[0]:
+          prenorm = simplenorm_prenorm_scale(setup, params, tokens)
+        if measure:
+          eps_config = config_lib.get_config(BASE + PLACEMENTS[name] + ",norm_eps=1e-12")
+          rows += measure_placement(EPS_VARIANT, seed, train.make_setup(eps_config), params,
+                                    tokens)
+    if not args.report_only and seed not in done:
+      write_csv(sorted(others + rows, key=lambda r: r["seed"]), csv_path)  # resumable
   wall_s = time.perf_counter() - started
-  if report_only:
-    rows = read_csv(OUT_DIR / "results.csv")
-  else:
-    write_csv(rows, OUT_DIR / "results.csv")
-  slopes = fit_slopes(rows)
   plot(rows, OUT_DIR / "loglog.png")
-  write_markdown(rows, slopes, eval_losses, prenorm, OUT_DIR / "results.md",
-                 None if report_only else wall_s)
+  write_markdown(rows, eval_losses, prenorm, OUT_DIR / "results.md",
+                 None if args.report_only else wall_s)
+  outcome, result = write_verdict(over_seeds(rows), OUT_DIR / "verdict.json")
+  print(f"verdict: {outcome}: {result}")
   print(f"wrote {OUT_DIR} in {wall_s:.0f} s")
 
 
 if __name__ == "__main__":
-  main(report_only="--report_only" in sys.argv[1:])
+  main()

@@ -28,6 +28,10 @@ Largest model of the tiny family (4k layers, d=128k, 4k heads, batch 16 x 128) w
 step fits 24 GiB on one device (less ~1 GiB for the runtime), with and without model.remat,
 from the same compiled memory analysis on one CPU device, extrapolated from 1 and 2 blocks.
 
+Loss chunks: the same device measurement (8 devices, FSDP) of a model with a large vocabulary at
+model.loss_chunks = 1, 4, 16 (losses.chunked_cross_entropy: the head and cross-entropy in
+sequence slices, each remade in the backward pass), to show what the B x L x V logits cost.
+
   python experiments/bench_memory.py               # everything (an hour or more on 2 cores)
   python experiments/bench_memory.py --part=device --devices=8
 
@@ -368,6 +372,21 @@ def markdown(result):
                 f"{check['temporaries_bytes_remat'] / 2**20:,.1f} MiB with remat: on the CPU "
                 "backend remat buys no memory (why XLA's CPU schedule keeps the activations was not "
                 "investigated; the device table above is compiled for CPU devices too)."]
+  chunks = result.get("loss_chunks")
+  if chunks:
+    lines += ["", "## model.loss_chunks: the logits' share (GiB per device)", "",
+              "As the device table (fsdp, float32, 1 and 2 blocks extrapolated), at "
+              "model.loss_chunks = " + ", ".join(map(str, LOSS_CHUNKS)) + ".", "",
+              "| size | devices | batch x seq per replica | loss_chunks | temporaries | "
+              "total/device |", "|---|---|---|---|---|---|"]
+    for row in chunks["table"]:
+      if "error" in row:
+        lines.append(f"| {row['size']} | {row['num_devices']} | | {row['loss_chunks']} | "
+                     f"error: {row['error'][:80]} | |")
+        continue
+      lines.append(f"| {row['size']} | {row['num_devices']} | {row['batch_per_replica']} x "
+                   f"{row['seq_len']} | {row['loss_chunks']} | {gib(row['temporaries'])} | "
+                   f"{gib(row['total'])} |")
   hessian = result.get("hessian")
   if hessian:
     lines += ["", "## Hessian (Lanczos) per device", "", hessian]
@@ -387,6 +406,31 @@ def write(result):
   RESULTS.mkdir(parents=True, exist_ok=True)
   (RESULTS / "memory.json").write_text(json.dumps(result, indent=2))
   (RESULTS / "memory.md").write_text(markdown(result))
+
+
+LOSS_CHUNKS = (1, 4, 16)
+
+
+def loss_chunks_part(sizes, num_devices=8):
+  """Per-device memory of each size at each model.loss_chunks, FSDP, full depth extrapolated."""
+  jobs = [{"size": size, "kind": "fsdp", "num_devices": num_devices, "num_layers": layers,
+           "extra": f"loss_chunks={chunks}", "loss_chunks": chunks}
+          for size in sizes for chunks in LOSS_CHUNKS for layers in LAYERS]
+  compiled = in_subprocess(num_devices, jobs, lambda r: print(json.dumps(r), flush=True))
+  table = []
+  for size in sizes:
+    for chunks in LOSS_CHUNKS:
+      rows = [r for r in compiled if (r["size"], r["loss_chunks"]) == (size, chunks)]
+      errors = [r["error"] for r in rows if "error" in r]
+      row = {"size": size, "loss_chunks": chunks, "num_devices": num_devices}
+      if errors:
+        table.append({**row, "error": errors[0]})
+        continue
+      values = extrapolate({r["num_layers"]: r for r in rows}, full_depth(size))
+      table.append({**row, "seq_len": rows[0]["seq_len"],
+                    "batch_per_replica": rows[0]["batch_per_replica"],
+                    **{f: values[f] for f in ("temporaries", "total")}})
+  return {"compiled": compiled, "table": table}
 
 
 def linearity_checks(compiled_rows, checks):
@@ -410,11 +454,14 @@ def linearity_checks(compiled_rows, checks):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--part", choices=("all", "device", "linearity", "host", "family"),
+  parser.add_argument("--part", choices=("all", "device", "linearity", "host", "family",
+                                         "loss_chunks"),
                       default="all")
   parser.add_argument("--devices", default=",".join(map(str, DEVICE_COUNTS)))
   parser.add_argument("--sizes", default=",".join(PAPER_SIZES))
   parser.add_argument("--kinds", default="fsdp,fsdp_tensor")
+  parser.add_argument("--chunk_sizes", default="gpt2_124m,llama3_8b",
+                      help="sizes of the loss_chunks part")
   parser.add_argument("--check_linearity", default="gpt2_124m:fsdp:8:12,llama2_7b:fsdp:8:4",
                       help="size:kind:devices:depth,... compiled at that depth to check "
                            "the extrapolation ('' for none)")
@@ -444,6 +491,9 @@ def main():
     write(result)
   if args.part in ("all", "family"):
     result["tiny_family"] = largest_tiny_family()
+    write(result)
+  if args.part in ("all", "loss_chunks"):
+    result["loss_chunks"] = loss_chunks_part(args.chunk_sizes.split(","))
     write(result)
 
 

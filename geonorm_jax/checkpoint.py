@@ -44,7 +44,7 @@ LOCK_FILENAME = ".lock"
 
 # Execution-only model keys: changing them between runs gives the same math on
 # the same parameters, so resuming across them is allowed.
-_MODEL_KEYS_NOT_IN_FINGERPRINT = ("remat",)
+_MODEL_KEYS_NOT_IN_FINGERPRINT = ("remat", "loss_chunks")
 # Data keys that decide which token stream training sees, and therefore what the
 # stored iterator state means. num_workers and val_path are left out: they do
 # not change the training stream.

@@ -46,6 +46,11 @@ def get_base_config() -> ml_collections.ConfigDict:
   # lax.scan: compile time no longer grows with depth (MaxText's scan_layers). Changes the
   # checkpoint layout (convert.stack_layers / unstack_layers move between the two).
   model.scan_layers = False
+  # The LM head + cross-entropy of the training and evaluation loss in this many slices of
+  # the sequence, each remade in the backward pass, so the B x L x V float32 logits never
+  # exist at once (MaxText's vocabulary tiling): less memory for one more head matmul.
+  # Must divide data.seq_len; 1 = all at once.
+  model.loss_chunks = 1
   # Each placement's own fields (geo_*, mixln_fraction, ngpt_alpha_init, dyt_alpha_*, ...)
   # are declared by its registry entry in placements.py and added here.
   for name, option in placements.all_options().items():

@@ -466,6 +466,11 @@ class Transformer(nnx.Module):
       logits_BxLxV = logits_BxLxV * self.s_z()
     return constrain(logits_BxLxV, ("batch", "length", "vocab"))
 
+  def hidden(self, tokens_BxL, perturb=None):
+    """The last block's output: what logits() turns into logits (final norm, then head)."""
+    out_BxLxD, _, _ = self._run_blocks(self.embed_tokens(tokens_BxL), perturb=perturb)
+    return out_BxLxD
+
   def __call__(self, tokens_BxL, perturb=None, return_streams=False):
     """Logits; with return_streams, also the residual stream entering each block and the last.
 

@@ -40,6 +40,8 @@ class ModelSpec:
   scan_layers: bool
   # Every placement's own fields (placements.Option), resolved: ((name, value), ...).
   options: tuple = ()
+  # Sequence slices the head + cross-entropy run in (losses.chunked_cross_entropy).
+  loss_chunks: int = 1
 
   def option(self, name):
     """A placement field's resolved value, e.g. spec.option("geo_alpha")."""
@@ -142,7 +144,8 @@ def resolve(model_config):
       rope_theta=float(c.rope_theta), qk_norm=bool(c.qk_norm), dt=float(c.dt),
       embed_norm=bool(c.embed_norm), init_std=float(c.init_std), dtype=c.dtype,
       remat=bool(c.remat), scan_layers=bool(c.scan_layers),
-      attention=c.attention, options=tuple(options))
+      attention=c.attention, options=tuple(options),
+      loss_chunks=_positive("loss_chunks", int(c.loss_chunks)))
   if spec.scan_layers:
     _check_uniform_blocks(spec)
   return spec

@@ -66,6 +66,9 @@ def validate(config, num_devices=None):
   """Every config error, before any compilation: fields, model, optimizer, mesh and data."""
   validate_lib.check_fields(config)
   spec = spec_lib.resolve(config.model)
+  if config.data.seq_len % spec.loss_chunks:
+    raise ValueError(f"model.loss_chunks={spec.loss_chunks} does not divide "
+                     f"data.seq_len={config.data.seq_len}")
   if spec.scan_layers and config.train.hessian_per_block:
     raise ValueError("train.hessian_per_block=true selects each block's parameters by name "
                      "(blocks.<i>.), which model.scan_layers=true stacks into one array; "

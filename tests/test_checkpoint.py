@@ -120,10 +120,11 @@ def test_incompatible_fingerprint_names_field_and_deletes_nothing(tmp_path):
   assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == files_before
 
 
-def test_fingerprint_covers_shapes_and_stream_but_not_remat():
+def test_fingerprint_covers_shapes_and_stream_but_not_remat_or_loss_chunks():
   base = get_base_config()
   changed = get_base_config()
   changed.model.remat = True
+  changed.model.loss_chunks = 4  # how the loss is computed, not what the parameters are
   assert checkpoint.config_fingerprint(changed) == checkpoint.config_fingerprint(base)
   changes = [("model", "vocab_size", 512), ("data", "seq_len", 64), ("model", "backbone", "llama")]
   for section, key, value in changes:

@@ -1,10 +1,10 @@
 """Residual step: is Peri-LN best at dt = 0.1?
 
   python experiments/residual_step.py [--scale=cpu|paper] [--seeds=0,1] [--quick]
-      [--variants=pre,peri] [--dts=1,0.5,0.2,0.1,0.05] [--jobs=N] [--print]
+      [--variants=pre,peri] [--dts=1,0.5,0.2,0.1,0.05,0.02] [--jobs=N] [--print]
 
 Every sublayer adds dt x its output (model.dt). CPU scale: configs/shakespeare.py cut to 300
-steps, 2 placements x 5 dt x 2 seeds, about 15 minutes on a quiet 2-core CPU; --quick: dt in
+steps, 2 placements x 6 dt x 2 seeds, about 18 minutes on a quiet 2-core CPU; --quick: dt in
 {1, 0.1}, one seed. Paper scale: configs/gpt2.py:124m, 20k steps. Writes
 results/residual_step/{results.csv, curves.csv, table.md, config.json, verdict.json,
 loss_vs_dt.png}.
@@ -34,7 +34,7 @@ CURVES = (("train", "loss"), ("eval", "loss"))
 
 def add_arguments(parser):
   claims.add_variants_argument(parser, ("pre", "peri"))
-  parser.add_argument("--dts", default="1,0.5,0.2,0.1,0.05")
+  parser.add_argument("--dts", default="1,0.5,0.2,0.1,0.05,0.02")
 
 
 def grid(args, scale):

@@ -94,7 +94,8 @@ def summarize(rows, curves, config):
   holds = None
   # With Pre-LN stable at the grid's largest LR, the ratio has no upper end: unresolved.
   if pre and pre < grid_max and "simplenorm" in best:
-    holds = (best["simplenorm"] or 0) >= 3 * pre
+    # Grid LRs are decimal: 0.3 / 0.1 is 2.9999999999999996 in binary floating point.
+    holds = (best["simplenorm"] or 0) / pre >= 3 * (1 - 1e-9)
   result = ("largest stable lr: " + ", ".join(f"{n} {lr}" for n, lr in best.items())
             + f"; simplenorm / pre = {ratio(best.get('simplenorm'))}.")
 

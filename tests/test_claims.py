@@ -102,6 +102,26 @@ def test_largest_stable_lr_needs_every_seed_stable():
                                                                      "simplenorm": 3e-2}
 
 
+def test_lr_tolerance_counts_one_half_decade_step_as_3x():
+  """SimpleNorm stable at 0.3 and Pre-LN at 0.1 is the claim's 3x, though 0.3 / 0.1 < 3 in
+  binary floating point; at 0.1 each it is not."""
+  lr_tolerance = load("lr_tolerance")
+  for simplenorm_best, expected in ((0.3, "reproduced"), (0.1, "not at this scale")):
+    rows, curves = [], []
+    for name, lr in [("pre", 0.1), ("pre", 0.3), ("pre", 1.0), ("simplenorm", 0.1),
+                     ("simplenorm", 0.3), ("simplenorm", 1.0)]:
+      best = 0.1 if name == "pre" else simplenorm_best
+      final = 2.0 if lr <= best else 3.5
+      run = f"{name}/{lr}"
+      rows.append({"name": run, "variant": name, "lr": lr, "seed": 0, "steps": 10,
+                   "skipped_steps": 0, "final_train_loss": final, "final_eval_loss": final})
+      curves += [{"name": run, "split": "train", "key": "loss", "step": s,
+                  "value": 5.0 - s / 10} for s in range(1, 11)]
+    summary = lr_tolerance.summarize(rows, curves, {"args": {"max_loss": 3.0},
+                                                    "scale": "cpu"})
+    assert summary.verdict == expected, summary.result
+
+
 def test_every_grid_has_unique_runs_and_the_cli_train_command():
   for name in EXPERIMENTS:
     module = load(name)

@@ -417,19 +417,9 @@ def loss_chunks_part(sizes, num_devices=8):
            "extra": f"loss_chunks={chunks}", "loss_chunks": chunks}
           for size in sizes for chunks in LOSS_CHUNKS for layers in LAYERS]
   compiled = in_subprocess(num_devices, jobs, lambda r: print(json.dumps(r), flush=True))
-  table = []
-  for size in sizes:
-    for chunks in LOSS_CHUNKS:
-      rows = [r for r in compiled if (r["size"], r["loss_chunks"]) == (size, chunks)]
-      errors = [r["error"] for r in rows if "error" in r]
-      row = {"size": size, "loss_chunks": chunks, "num_devices": num_devices}
-      if errors:
-        table.append({**row, "error": errors[0]})
-        continue
-      values = extrapolate({r["num_layers"]: r for r in rows}, full_depth(size))
-      table.append({**row, "seq_len": rows[0]["seq_len"],
-                    "batch_per_replica": rows[0]["batch_per_replica"],
-                    **{f: values[f] for f in ("temporaries", "total")}})
+  table = [{**row, "loss_chunks": chunks} for chunks in LOSS_CHUNKS
+           for row in table_rows([r for r in compiled if r["loss_chunks"] == chunks])]
+  table.sort(key=lambda row: (sizes.index(row["size"]), row["loss_chunks"]))
   return {"compiled": compiled, "table": table}
 
 

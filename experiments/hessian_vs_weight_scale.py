@@ -56,7 +56,7 @@ import numpy as np
 from flax import nnx
 
 from geonorm_jax import config as config_lib
-from geonorm_jax import claims, hessian, losses, metrics, paths, train
+from geonorm_jax import claims, hessian, losses, metrics, paths, report, train
 from geonorm_jax.hessian_progress import HessianProgress, Stage
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -534,11 +534,8 @@ def write_markdown(rows, eval_losses, prenorm, path, wall_s):
 
 def read_csv(path):
   """results.csv's rows; a file written before seeds existed holds seed 0."""
-  with open(path) as f:
-    rows = list(csv.DictReader(f))
+  rows = report.read_results_csv(path)
   for r in rows:
-    for key in ("c", "lambda_max", "residual_bound", "loss"):
-      r[key] = float(r[key])
     r["seed"] = int(r.get("seed") or 0)
   return rows
 

@@ -16,8 +16,14 @@ few steps each (a shared machine drifts; alternation hits both alike), medians r
               <= 1.03, peri <= 1.05, simplenorm <= 1.10)
   losses      20 steps of the tiny model with every change undone vs the current code: the
               largest loss difference (float32 reordering only)
+  attention   one layer's causal attention forward + backward at the tiny and 10m shapes:
+              ours (blocked, dense) against torch's fused scaled_dot_product_attention
+  barriers    pre and geonorm with and without train.compiler_options (XLA keeps the
+              optimization barriers of GeoNorm's update until fusion on a CPU), over pre;
+              20 GeoNorm losses with and without
 
-  python experiments/bench_train.py [--parts=models,gemm,ablation,placements,losses]
+  python experiments/bench_train.py [--parts=models,gemm,ablation,placements,losses,barriers,
+                                      attention]
 
 Writes results/bench/train.json (every round's numbers, the machine, the load average before
 and after); parts not rerun keep their earlier figures, and `part_dates` says when each part
@@ -27,6 +33,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import pathlib
 import platform
@@ -42,6 +49,7 @@ import torch.nn.functional as F
 from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
 from geonorm_jax import layers as layers_lib
+from geonorm_jax import model as model_lib
 from geonorm_jax import placements
 from geonorm_jax import train
 
@@ -146,7 +154,8 @@ def timed_rounds(steppers, batches, rounds, steps):
 
 
 def _finish(loss):
-  return loss.item() if isinstance(loss, torch.Tensor) else float(loss)
+  """Waits for the value (JAX dispatches asynchronously) and returns its first number."""
+  return loss.flatten()[0].item() if isinstance(loss, torch.Tensor) else float(jnp.ravel(loss)[0])
 
 
 def make_config(model, extra=""):
@@ -199,6 +208,44 @@ def bench_gemm(args):
                  **{f"{fw}_gflops": 2 * m * k * n / statistics.median(t) / 1e9
                     for fw, t in times.items()}}
     print(name, out[name], flush=True)
+  return out
+
+
+ATTENTION_SHAPES = {"tiny": (16, 128, 4, 32), "10m": (16, 256, 6, 64)}  # B, L, heads, head_dim
+
+
+def bench_attention(args):
+  """One layer's causal attention, forward + backward, float32: ours (model.causal_attention,
+  blocked and dense) against PyTorch's fused scaled_dot_product_attention, alternating."""
+  out = {}
+  for name, (batch, length, heads, hd) in ATTENTION_SHAPES.items():
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal((batch, length, heads, hd)).astype(np.float32)
+                     for _ in range(4))
+    scale = 1.0 / math.sqrt(hd)
+
+    def ours(impl):
+      loss = lambda q, k, v, dout: jnp.vdot(model_lib.causal_attention(q, k, v, scale, impl),
+                                            dout)
+      grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+      arrays = [jnp.asarray(a) for a in (q, k, v, dout)]
+      return lambda _: grad(*arrays)[0]
+
+    # PyTorch's layout is (B, heads, L, head_dim); the transposes are outside the timing.
+    tq, tk, tv, tdout = (torch.from_numpy(a).transpose(1, 2).contiguous() for a in (q, k, v, dout))
+    for t in (tq, tk, tv):
+      t.requires_grad_(True)
+
+    def torch_sdpa(_):
+      y = F.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+      y.backward(tdout)
+      return tq.grad
+
+    times = timed_rounds({"torch_sdpa": torch_sdpa, "ours_blocked": ours("blocked"),
+                          "ours_dense": ours("dense")}, [None], args.rounds, 10)
+    out[name] = {"shape_BxLxHxK": [batch, length, heads, hd],
+                 **{f"{fw}_ms": 1e3 * statistics.median(t) for fw, t in times.items()}}
+    print("attention", name, out[name], flush=True)
   return out
 
 
@@ -264,6 +311,45 @@ def bench_placements(args):
   return out
 
 
+@contextlib.contextmanager
+def barriers_dropped():
+  """Steps built inside compile with XLA's default CPU options, which drop optimization
+  barriers before fusion (train.compiler_options keeps them)."""
+  saved = train.compiler_options
+  train.compiler_options = lambda mesh: {}
+  try:
+    yield
+  finally:
+    train.compiler_options = saved
+
+
+def bench_barriers(args):
+  """Pre-LN and GeoNorm with and without the barrier option, over current Pre-LN; and the
+  largest difference of 20 GeoNorm losses between the two (float reordering only)."""
+  batches = make_batches(make_config("tiny"))
+  steppers = {}
+  for name, placement in (("pre", "pre"), ("geonorm", "geonorm")):
+    config = make_config("tiny", f"model.placement={placement}")
+    steppers[name] = JaxStepper(config)
+    with barriers_dropped():
+      steppers[name + ", barriers dropped"] = JaxStepper(config)
+  times = timed_rounds(steppers, batches, args.rounds, args.steps)
+  out = {name: {"step_ms": 1e3 * statistics.median(t),
+                "over_pre": statistics.median(a / b for a, b in zip(t, times["pre"]))}
+         for name, t in times.items()}
+  config = make_config("tiny", "model.placement=geonorm")
+  kept = JaxStepper(config)
+  with barriers_dropped():
+    dropped = JaxStepper(config)
+  pairs = [(_finish(kept(b)), _finish(dropped(b)))
+           for b in make_batches(make_config("tiny"), 20)]
+  out["geonorm_losses"] = {"steps": 20, "kept": [a for a, _ in pairs],
+                           "dropped": [b for _, b in pairs],
+                           "max_abs_difference": max(abs(a - b) for a, b in pairs)}
+  print("barriers", json.dumps(out), flush=True)
+  return out
+
+
 def bench_losses(args):
   batches = make_batches(make_config("tiny"), 20)
   losses = {}
@@ -278,7 +364,8 @@ def bench_losses(args):
 
 
 PARTS = {"models": bench_models, "gemm": bench_gemm, "ablation": bench_ablation,
-         "placements": bench_placements, "losses": bench_losses}
+         "placements": bench_placements, "losses": bench_losses, "barriers": bench_barriers,
+         "attention": bench_attention}
 
 
 def main():

@@ -180,7 +180,12 @@ def _geodesic_update_jvp(theta_max, primals, tangents):
   is four row reductions and two elementwise sums."""
   x, g, alpha = primals
   dx, dg, dalpha = tangents
-  x32, g32, dx32, dg32 = _f32(x), _f32(g), _f32(dx), _f32(dg)
+  x32, g32 = _f32(x), _f32(g)
+  # Barriers on the tangents, hence on the cotangents of the gradient (their transpose):
+  # without them XLA fused the gradient of all a model's updates into one elementwise loop
+  # per update, each recomputing the later ones' per-row cos/sin for every feature. They
+  # hold on a CPU only where train.py's compiler options keep barriers until fusion.
+  dx32, dg32 = jax.lax.optimization_barrier((_f32(dx), _f32(dg)))
   alpha32, dalpha32 = alpha.astype(x32.dtype), dalpha.astype(x32.dtype)
   s, c, q, cos_coef, sin_over_theta, dcos, dsin_over_theta = _geodesic_terms(
       x32, g32, alpha32, theta_max)
@@ -194,7 +199,7 @@ def _geodesic_update_jvp(theta_max, primals, tangents):
   v_coef = alpha32 * dsin_over_theta * du + sin_over_theta * dalpha32
   x_coef = dcos * du - w * dc - v_coef * c
   out = a_coef * x32 + w * g32
-  dout = a_coef * dx32 + w * dg32 + x_coef * x32 + v_coef * g32
+  dout = jax.lax.optimization_barrier(a_coef * dx32 + w * dg32 + x_coef * x32 + v_coef * g32)
   return out.astype(x.dtype), dout.astype(x.dtype)
 
 

@@ -190,7 +190,21 @@ def make_train_step(setup):
     return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, step_metrics
 
   return jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_sharding),
-                 out_shardings=(setup.state_shardings, None), donate_argnums=0)
+                 out_shardings=(setup.state_shardings, None), donate_argnums=0,
+                 compiler_options=compiler_options(setup.mesh))
+
+
+def compiler_options(mesh):
+  """XLA options of the jitted steps: on a CPU, keep optimization barriers until fusion.
+
+  XLA's CPU pipeline drops them early (its cse_barrier_expander pass), so the barriers in
+  norms.py's GeoNorm update could not stop it from fusing the gradients of all the updates
+  into per-update loops that recompute the later ones (GeoNorm's step over Pre-LN's,
+  results/bench/train.json `barriers`). Other backends are left as they are: not measured.
+  """
+  if mesh.devices.flat[0].platform == "cpu":
+    return {"xla_disable_hlo_passes": "cse_barrier_expander"}
+  return {}
 
 
 def _per_layer_norms(tree, scan_layers):
@@ -216,7 +230,8 @@ def make_eval_step(setup):
     loss_fn = losses.params_loss(graphdef)
     with sharding_lib.activation_sharding(setup.mesh, setup.rules):
       return jnp.mean(jax.lax.map(lambda t: loss_fn(params, t), tokens_AxBxL1))
-  return jax.jit(eval_step, in_shardings=(setup.state_shardings["params"], setup.batch_sharding))
+  return jax.jit(eval_step, in_shardings=(setup.state_shardings["params"], setup.batch_sharding),
+                 compiler_options=compiler_options(setup.mesh))
 
 
 def make_stream_stats(setup):

@@ -185,3 +185,23 @@ def test_fsdp_keeps_each_devices_activations_to_its_own_rows(monkeypatch):
   monkeypatch.setattr(model_lib, "constrain", lambda x, logical_axes: x)
   unconstrained = temporaries()
   assert constrained < 0.5 * unconstrained, (constrained, unconstrained)
+
+
+def test_cpu_step_keeps_the_geodesic_barriers_until_fusion(monkeypatch):
+  """train.compiler_options keeps the optimization barriers of GeoNorm's update (two per
+  update in the gradient: tangents in and out) in the compiled CPU step; XLA's default
+  pipeline drops them all, and then fuses the gradient of every update into loops that
+  recompute the later ones (GeoNorm 1.13x -> 1.07x Pre-LN's step, results/bench/train.json)."""
+  config = config_lib.get_config(SMALL + ",placement=geonorm")
+
+  def barriers():
+    setup = train.make_setup(config, jax.devices()[:1])
+    abstract = train.sharded_abstract_state(setup)
+    tokens = jax.ShapeDtypeStruct((1, 16, 33), jnp.int32, sharding=setup.batch_sharding)
+    return train.make_train_step(setup).lower(abstract, tokens).compile().as_text().count(
+        "opt-barrier(")
+
+  updates = 2 * config.model.num_layers
+  assert barriers() >= 2 * updates
+  monkeypatch.setattr(train, "compiler_options", lambda mesh: {})
+  assert barriers() == 0

@@ -26,8 +26,9 @@ few steps each (a shared machine drifts; alternation hits both alike), medians r
                                       attention]
 
 Writes results/bench/train.json (every round's numbers, the machine, the load average before
-and after); parts not rerun keep their earlier figures, and `part_dates` says when each part
-was measured. About 10 minutes on 2 cores; run it on a quiet machine.
+and after); parts not rerun keep their earlier figures, `part_dates` says when each part
+was measured, and `history` keeps each rerun part's earlier figures with their dates.
+About 10 minutes on 2 cores; run it on a quiet machine.
 """
 import argparse
 import contextlib
@@ -368,6 +369,10 @@ PARTS = {"models": bench_models, "gemm": bench_gemm, "ablation": bench_ablation,
          "attention": bench_attention}
 
 
+def _now():
+  return datetime.datetime.now().isoformat(timespec="seconds")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--parts", default=",".join(PARTS))
@@ -379,7 +384,7 @@ def main():
   args = parser.parse_args()
   os.chdir(REPO_ROOT)  # the recipe's data path is relative to the repository
   result = {
-      "date": datetime.datetime.now().isoformat(timespec="seconds"),
+      "date": _now(),
       "machine": {"platform": platform.platform(), "processor": platform.processor(),
                   "cpu_count": os.cpu_count(), "jax": jax.__version__,
                   "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -395,10 +400,17 @@ def main():
     if part in previous and part not in args.parts.split(","):
       result[part] = previous[part]
       measured.setdefault(part, previous.get("date"))
+  # A rerun part's previous figures move to `history` with their date (the README quotes
+  # before/after pairs from there).
+  history = previous.get("history", {})
   for part in args.parts.split(","):
+    if part in previous:
+      history.setdefault(part, []).append({"date": measured.get(part, previous.get("date")),
+                                           "figures": previous[part]})
     result[part] = PARTS[part](args)
     measured[part] = result["date"]
   result["part_dates"] = measured
+  result["history"] = history
   result["machine"]["loadavg_after"] = os.getloadavg()
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(result, indent=2) + "\n")

@@ -24,7 +24,12 @@ without it. hessian.lanczos now carries the guard in a while_loop's condition in
 
 Writes results/bench/hessian.json (numbers of every round included). About 2-3 minutes.
 
-Two more modes:
+Three more modes:
+
+  python experiments/bench_hessian.py --barriers
+    One HVP of the tiny pre and geonorm models jitted with XLA's default CPU options and with
+    compile_options.for_mesh (optimization barriers kept until fusion), 15 alternating rounds:
+    results/bench/hessian_barriers.json. About 3 minutes.
 
   python experiments/bench_hessian.py --analysis=RUN [--num_steps=50 --num_probes=8 --rounds=3]
     The checkpoint analysis before issue 12 (OLD_COMMIT's hessian.py and hessian_cli._analyse,
@@ -143,6 +148,48 @@ def main():
   print(json.dumps({k: result[k] for k in ("num_params", "median_s", "hvp_over_grad",
                                            "lanczos_overhead", "hvp_in_loop_over_hvp",
                                            "overhead_vs_hvp_loop", "meets_targets")}, indent=2))
+
+
+def barriers_main(rounds):
+  """One HVP of the tiny pre and geonorm models, jitted with XLA's default CPU options and
+  with compile_options.for_mesh (optimization barriers kept until fusion), alternating;
+  medians and the largest difference between the two products."""
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  from geonorm_jax import compile_options  # pylint: disable=g-import-not-at-top
+  options = compile_options.for_mesh(Mesh(np.array(jax.devices()[:1]), ("data",)))
+  out = {}
+  for placement in ("pre", "geonorm"):
+    config = config_lib.get_config(f"tiny,placement={placement}")
+    graphdef, params = nnx.split(model_lib.build(config.model))
+    tokens_BxL1 = np.asarray(next(iter(data_lib.make_train_iterator(config)))["tokens"],
+                             np.int32)
+    loss_fn = lambda p, t, graphdef=graphdef: losses.lm_loss(nnx.merge(graphdef, p), t)
+    flat_N, unravel = ravel_pytree(params)
+    vector = unravel(jax.random.normal(jax.random.key(1), flat_N.shape, flat_N.dtype))
+    hvp = lambda p, v, t, loss_fn=loss_fn: hessian.hvp(loss_fn, p, v, t)
+    calls = {"default": jax.jit(hvp), "barriers_kept": jax.jit(hvp, compiler_options=options)}
+    values = {name: ravel_pytree(jax.block_until_ready(call(params, vector, tokens_BxL1)))[0]
+              for name, call in calls.items()}
+    times = {name: [] for name in calls}
+    for r in range(rounds):
+      for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+        times[name].append(timed(calls[name], params, vector, tokens_BxL1))
+    out[placement] = {
+        "median_s": {name: statistics.median(t) for name, t in times.items()},
+        "rounds_s": times,
+        "default_over_kept": statistics.median(times["default"]) /
+                             statistics.median(times["barriers_kept"]),
+        "max_abs_difference": float(jnp.max(jnp.abs(values["default"] -
+                                                    values["barriers_kept"]))),
+        "max_abs_value": float(jnp.max(jnp.abs(values["default"])))}
+    print(placement, json.dumps({k: v for k, v in out[placement].items() if k != "rounds_s"}),
+          flush=True)
+  result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                        "jax": jax.__version__},
+            "what": "one forward-over-reverse HVP of the tiny preset, random direction",
+            "compiler_options": options, **out}
+  (OUTPUT.parent / "hessian_barriers.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 def analysis_main(workdir, num_steps, num_probes, num_batches, rounds, warmup, output):
@@ -358,8 +405,12 @@ if __name__ == "__main__":
   parser.add_argument("--memory_steps", default=str(MEMORY_STEPS), help="--memory: Lanczos "
                       "steps; two (e.g. 4,20) measure the basis copies per device from the "
                       "growth in between")
+  parser.add_argument("--barriers", action="store_true", help="HVP with and without "
+                      "compile_options (results/bench/hessian_barriers.json)")
   args = parser.parse_args()
-  if args.analysis:
+  if args.barriers:
+    barriers_main(rounds=15)
+  elif args.analysis:
     analysis_main(args.analysis, args.num_steps, args.num_probes, args.num_batches, args.rounds,
                   args.warmup, args.output)
   elif args.memory:

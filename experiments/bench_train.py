@@ -18,7 +18,7 @@ few steps each (a shared machine drifts; alternation hits both alike), medians r
               largest loss difference (float32 reordering only)
   attention   one layer's causal attention forward + backward at the tiny and 10m shapes:
               ours (blocked, dense) against torch's fused scaled_dot_product_attention
-  barriers    pre and geonorm with and without train.compiler_options (XLA keeps the
+  barriers    pre and geonorm with and without compile_options.for_mesh (XLA keeps the
               optimization barriers of GeoNorm's update until fusion on a CPU), over pre;
               20 GeoNorm losses with and without
 
@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from geonorm_jax import compile_options
 from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
 from geonorm_jax import layers as layers_lib
@@ -315,13 +316,13 @@ def bench_placements(args):
 @contextlib.contextmanager
 def barriers_dropped():
   """Steps built inside compile with XLA's default CPU options, which drop optimization
-  barriers before fusion (train.compiler_options keeps them)."""
-  saved = train.compiler_options
-  train.compiler_options = lambda mesh: {}
+  barriers before fusion (compile_options.for_mesh keeps them)."""
+  saved = compile_options.for_mesh
+  compile_options.for_mesh = lambda mesh: {}
   try:
     yield
   finally:
-    train.compiler_options = saved
+    compile_options.for_mesh = saved
 
 
 def bench_barriers(args):

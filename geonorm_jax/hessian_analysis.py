@@ -23,6 +23,7 @@ is the tangent half of forward-over-reverse only) unless `hvp="recomputed"`, whi
 one micro-batch at a time (`accumulated_matvec`) for models whose residuals do not fit.
 """
 import dataclasses
+import functools
 import math
 import time
 from typing import Optional
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from geonorm_jax import compile_options
 from geonorm_jax import hessian_callback, hessian_estimators as estimators
 from geonorm_jax import hessian_matvec, losses, train
 from geonorm_jax import model as model_lib
@@ -150,18 +152,19 @@ class Analyser:
     self.progress: Optional[HessianProgress] = None
     report = lambda count: self.progress(count) if self.progress is not None else None
     s = settings
-    self._top = jax.jit(lambda p, t, k: estimators.lanczos(
+    jit = functools.partial(jax.jit, compiler_options=compile_options.for_mesh(setup.mesh))
+    self._top = jit(lambda p, t, k: estimators.lanczos(
         self._matvec(p, t), p, s.num_steps, k, shardings=self.shardings, progress=report))
-    self._probes = jax.jit(lambda p, t, k: estimators.lanczos_batch(
+    self._probes = jit(lambda p, t, k: estimators.lanczos_batch(
         self._matvec(p, t), p, s.num_steps, s.new_probes, k, lanes=s.lanes_for(s.new_probes),
         shardings=self.shardings, progress=report))
-    self._hutchinson = jax.jit(lambda p, t, k: estimators.hutchinson_trace(
+    self._hutchinson = jit(lambda p, t, k: estimators.hutchinson_trace(
         self._matvec(p, t), p, s.num_probes, k, lanes=s.lanes_for(s.num_probes),
         shardings=self.shardings, progress=report))
-    self._precond = jax.jit(lambda p, t, precond, k: estimators.lanczos(
+    self._precond = jit(lambda p, t, precond, k: estimators.lanczos(
         hessian_matvec.preconditioned_matvec(self._matvec(p, t), precond), p, s.precond_steps,
         k, shardings=self.shardings, progress=report))
-    self._loss = jax.jit(lambda p, t: jnp.mean(jax.vmap(lambda x: self.micro_loss(p, x))(t)))
+    self._loss = jit(lambda p, t: jnp.mean(jax.vmap(lambda x: self.micro_loss(p, x))(t)))
 
   def _matvec(self, params, tokens_KxBxL1):
     # lm_loss has no mask, so every micro-batch predicts b * L tokens: the token-weighted

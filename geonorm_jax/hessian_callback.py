@@ -31,7 +31,7 @@ training bar.
 import jax
 import jax.numpy as jnp
 
-from geonorm_jax import hessian, losses, optim
+from geonorm_jax import compile_options, hessian, losses, optim
 from geonorm_jax.hessian_progress import HessianProgress, Stage
 
 
@@ -100,7 +100,7 @@ def make_hessian_logger(setup, seed=0):
         out[f"lambda_max/blocks.{index}"] = lanczos_top(block, like, keys[2 + index])[0]
     return out
 
-  compiled = jax.jit(compute)
+  compiled = jax.jit(compute, compiler_options=compile_options.for_mesh(setup.mesh))
 
   def log(state, tokens_AxBxL1, step):
     progress = HessianProgress(stages, f"Hessian log at step {step}", enabled=show, redraw=False)

@@ -184,7 +184,7 @@ def _geodesic_update_jvp(theta_max, primals, tangents):
   # Barriers on the tangents, hence on the cotangents of the gradient (their transpose):
   # without them XLA fused the gradient of all a model's updates into one elementwise loop
   # per update, each recomputing the later ones' per-row cos/sin for every feature. They
-  # hold on a CPU only where train.py's compiler options keep barriers until fusion.
+  # hold on a CPU only where compile_options.py keeps barriers until fusion.
   dx32, dg32 = jax.lax.optimization_barrier((_f32(dx), _f32(dg)))
   alpha32, dalpha32 = alpha.astype(x32.dtype), dalpha.astype(x32.dtype)
   s, c, q, cos_coef, sin_over_theta, dcos, dsin_over_theta = _geodesic_terms(

@@ -28,6 +28,7 @@ from flax import nnx
 
 from geonorm_jax import checkpoint as checkpoint_lib
 from geonorm_jax import collapse
+from geonorm_jax import compile_options
 from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
 from geonorm_jax import hessian_callback
@@ -191,20 +192,8 @@ def make_train_step(setup):
 
   return jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                  out_shardings=(setup.state_shardings, None), donate_argnums=0,
-                 compiler_options=compiler_options(setup.mesh))
+                 compiler_options=compile_options.for_mesh(setup.mesh))
 
-
-def compiler_options(mesh):
-  """XLA options of the jitted steps: on a CPU, keep optimization barriers until fusion.
-
-  XLA's CPU pipeline drops them early (its cse_barrier_expander pass), so the barriers in
-  norms.py's GeoNorm update could not stop it from fusing the gradients of all the updates
-  into per-update loops that recompute the later ones (GeoNorm's step over Pre-LN's,
-  results/bench/train.json `barriers`). Other backends are left as they are: not measured.
-  """
-  if mesh.devices.flat[0].platform == "cpu":
-    return {"xla_disable_hlo_passes": "cse_barrier_expander"}
-  return {}
 
 
 def _per_layer_norms(tree, scan_layers):
@@ -231,7 +220,7 @@ def make_eval_step(setup):
     with sharding_lib.activation_sharding(setup.mesh, setup.rules):
       return jnp.mean(jax.lax.map(lambda t: loss_fn(params, t), tokens_AxBxL1))
   return jax.jit(eval_step, in_shardings=(setup.state_shardings["params"], setup.batch_sharding),
-                 compiler_options=compiler_options(setup.mesh))
+                 compiler_options=compile_options.for_mesh(setup.mesh))
 
 
 def make_stream_stats(setup):

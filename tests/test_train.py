@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from geonorm_jax import compile_options
 from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
 from geonorm_jax import model as model_lib, optim, train
@@ -188,10 +189,10 @@ def test_fsdp_keeps_each_devices_activations_to_its_own_rows(monkeypatch):
 
 
 def test_cpu_step_keeps_the_geodesic_barriers_until_fusion(monkeypatch):
-  """train.compiler_options keeps the optimization barriers of GeoNorm's update (two per
-  update in the gradient: tangents in and out) in the compiled CPU step; XLA's default
-  pipeline drops them all, and then fuses the gradient of every update into loops that
-  recompute the later ones (GeoNorm 1.13x -> 1.07x Pre-LN's step, results/bench/train.json)."""
+  """compile_options keeps the optimization barriers of GeoNorm's update (two per update in
+  the gradient: tangents in and out) in the compiled CPU step; XLA's default pipeline drops
+  them all, and then fuses the gradient of every update into loops that recompute the later
+  ones (GeoNorm 1.108x -> 1.061x Pre-LN's step, results/bench/train.json `barriers`)."""
   config = config_lib.get_config(SMALL + ",placement=geonorm")
 
   def barriers():
@@ -203,5 +204,5 @@ def test_cpu_step_keeps_the_geodesic_barriers_until_fusion(monkeypatch):
 
   updates = 2 * config.model.num_layers
   assert barriers() >= 2 * updates
-  monkeypatch.setattr(train, "compiler_options", lambda mesh: {})
+  monkeypatch.setattr(compile_options, "for_mesh", lambda mesh: {})
   assert barriers() == 0

@@ -13,8 +13,9 @@ One process, one prepared run of a few minutes on an H100/H200-class GPU. In ord
      by config overrides ("pre,attention=dense,vocab_size=50257"), laid over the GPU recipe:
      model.attention=auto (cuDNN's fused kernel on a GPU in bf16) and the vocabulary padded to
      `--vocab_size` (50304 = 393 * 128; byte tokens fit any vocabulary). The default list is
-     the three placements of the issue, then the unfused baseline, a doubled batch and
-     scan_layers, each against the first run;
+     the three placements of the issue, then the unfused baseline, a doubled batch,
+     scan_layers and the loss in sequence chunks, each against the first run, and GeoNorm
+     compiled with the barrier option (a run ending in @keep_barriers), against the second;
   3. after the first three runs, probes of the two costly pieces outside the training step:
      causal attention (dense einsum + softmax against the fused kernel) and the LM head +
      cross-entropy (float32 against bf16 operands; vocabulary 50257 against 50304).
@@ -44,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from geonorm_jax import compile_options
 from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
 from geonorm_jax import losses, metrics, model as model_lib, train
@@ -102,8 +104,12 @@ def matmul_params(setup):
 
 # pre,loss_chunks=8: the head + loss in sequence slices (never the whole B x L x V logits),
 # the largest remaining cost of the step on the H200 (28 ms of 78); not yet run on a GPU.
+# geonorm@keep_barriers: GeoNorm compiled with the CPU's barrier option (compile_options),
+# which made its CPU step 1.108x -> 1.061x Pre-LN's; whether the GPU pipeline gains is unknown.
 DEFAULT_RUNS = ("pre;geonorm;simplenorm;pre,attention=dense,vocab_size=50257;"
-                "pre,batch_size=64;pre,scan_layers=true;pre,loss_chunks=8")
+                "pre,batch_size=64;pre,scan_layers=true;pre,loss_chunks=8;"
+                "geonorm@keep_barriers")
+KEEP_BARRIERS_SUFFIX = "@keep_barriers"
 
 
 def _config_string(args, run):
@@ -144,13 +150,23 @@ def probe_device_init(args, placement):
 
 
 def time_training(args, run):
-  """Tokens/s of the repository's jitted train step; byte tokens fit any vocabulary."""
-  config = config_lib.get_config(_config_string(args, run))
+  """Tokens/s of the repository's jitted train step; byte tokens fit any vocabulary.
+
+  A run ending in @keep_barriers compiles with compile_options.KEEP_BARRIERS whatever the
+  backend (the project applies it on CPUs only)."""
+  keep_barriers = run.endswith(KEEP_BARRIERS_SUFFIX)
+  config = config_lib.get_config(_config_string(args, run.removesuffix(KEEP_BARRIERS_SUFFIX)))
   setup = train.make_setup(config)
   started = time.perf_counter()
   state = init_state_on_host(config, setup)
   init_s = time.perf_counter() - started
-  step_fn = train.make_train_step(setup)
+  saved = compile_options.for_mesh
+  if keep_barriers:
+    compile_options.for_mesh = lambda mesh: dict(compile_options.KEEP_BARRIERS)
+  try:
+    step_fn = train.make_train_step(setup)
+  finally:
+    compile_options.for_mesh = saved
   batches = data_lib.make_train_iterator(config)
   arrays = [train.global_batch(setup, next(batches)) for _ in range(2 + args.steps)]
   started = time.perf_counter()
@@ -171,6 +187,7 @@ def time_training(args, run):
   flops = 6.0 * matmul_params(setup) + 12.0 * spec.num_layers * spec.d_model * config.data.seq_len
   return {
       "placement": spec.placement, "attention": model_lib.attention_impl(spec),
+      "keep_barriers": keep_barriers,
       "batch_size": config.data.batch_size, "scan_layers": bool(config.model.scan_layers),
       "vocab_size": spec.vocab_size, "init_state_on_host_s": init_s,
       "first_step_s_incl_compile": compile_s,

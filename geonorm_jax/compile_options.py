@@ -11,7 +11,10 @@ unchanged. Other backends keep XLA's defaults: not measured there.
 """
 
 
+KEEP_BARRIERS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
 def for_mesh(mesh):
   if mesh.devices.flat[0].platform == "cpu":
-    return {"xla_disable_hlo_passes": "cse_barrier_expander"}
+    return dict(KEEP_BARRIERS)
   return {}

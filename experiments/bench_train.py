@@ -304,11 +304,13 @@ def bench_placements(args):
   for name in names:
     other = JaxStepper(make_config("tiny", f"model.placement={name}"))
     times = timed_rounds({"pre": pre, name: other}, batches, args.rounds, args.steps)
-    ratio = statistics.median(t / p for t, p in zip(times[name], times["pre"]))
+    ratios = [t / p for t, p in zip(times[name], times["pre"])]
     out[name] = {"step_ms": 1e3 * statistics.median(times[name]),
                  "pre_step_ms": 1e3 * statistics.median(times["pre"]),
-                 "over_pre": ratio, "target": PLACEMENT_TARGETS.get(name)}
-    print(name, "%.3f x pre" % ratio, flush=True)
+                 "over_pre": statistics.median(ratios), "over_pre_rounds": ratios,
+                 "target": PLACEMENT_TARGETS.get(name)}
+    print(name, "%.3f x pre (rounds %.3f-%.3f)" % (out[name]["over_pre"], min(ratios),
+                                                   max(ratios)), flush=True)
     del other
   return out
 

@@ -42,7 +42,6 @@ fitted log-log slope above PLAIN_SLOPE; not reproduced when a normalised one is 
 seed; unresolved otherwise.
 """
 import argparse
-import csv
 import json
 import os
 import pathlib
@@ -56,7 +55,7 @@ import numpy as np
 from flax import nnx
 
 from geonorm_jax import config as config_lib
-from geonorm_jax import claims, hessian, losses, metrics, paths, report, train
+from geonorm_jax import claims, hessian, losses, metrics, paths, report, sweep, train
 from geonorm_jax.hessian_progress import HessianProgress, Stage
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -286,13 +285,6 @@ def write_verdict(per_seed, path):
                         "scale", "verdict": outcome, "result": result, "seeds": len(seeds)},
               f, indent=2)
   return outcome, result
-
-
-def write_csv(rows, path):
-  with open(path, "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
 
 
 def plot(rows, path):
@@ -572,7 +564,7 @@ def main(argv=None):
           rows += measure_placement(EPS_VARIANT, seed, train.make_setup(eps_config), params,
                                     tokens)
     if not args.report_only and seed not in done:
-      write_csv(sorted(others + rows, key=lambda r: r["seed"]), csv_path)  # resumable
+      sweep.write_csv(csv_path, sorted(others + rows, key=lambda r: r["seed"]))  # resumable
   wall_s = time.perf_counter() - started
   plot(rows, OUT_DIR / "loglog.png")
   write_markdown(rows, eval_losses, prenorm, OUT_DIR / "results.md",

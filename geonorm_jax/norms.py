@@ -166,7 +166,8 @@ def _geodesic_update(x, g, alpha, theta_max):
   _, c, _, cos_coef, sin_over_theta, _, _ = _geodesic_terms(x32, g32, alpha32, theta_max)
   w = alpha32 * sin_over_theta
   # Materialised per row: else XLA (CPU) fused them into the elementwise loops of several
-  # layers at once and recomputed cos/sin for every feature.
+  # layers at once and recomputed cos/sin for every feature. Forward-only programs take this
+  # path (the eval step, where compile_options keeps the barrier); gradients take the JVP.
   a_coef, w = jax.lax.optimization_barrier((cos_coef - w * c, w))
   return (a_coef * x32 + w * g32).astype(x.dtype)
 

@@ -195,7 +195,6 @@ def make_train_step(setup):
                  compiler_options=compile_options.for_mesh(setup.mesh))
 
 
-
 def _per_layer_norms(tree, scan_layers):
   """metrics.per_layer_norms; under model.scan_layers each stacked leaf is reduced along its
   `layers` axis once, instead of being sliced into T arrays (T x leaves ops to compile)."""

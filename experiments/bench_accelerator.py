@@ -160,13 +160,8 @@ def time_training(args, run):
   started = time.perf_counter()
   state = init_state_on_host(config, setup)
   init_s = time.perf_counter() - started
-  saved = compile_options.for_mesh
-  if keep_barriers:
-    compile_options.for_mesh = lambda mesh: dict(compile_options.KEEP_BARRIERS)
-  try:
-    step_fn = train.make_train_step(setup)
-  finally:
-    compile_options.for_mesh = saved
+  step_fn = train.make_train_step(
+      setup, compiler_options=compile_options.KEEP_BARRIERS if keep_barriers else None)
   batches = data_lib.make_train_iterator(config)
   arrays = [train.global_batch(setup, next(batches)) for _ in range(2 + args.steps)]
   started = time.perf_counter()

@@ -84,13 +84,20 @@ def timed(fn, *args):
   return time.perf_counter() - started
 
 
-def main():
-  config = config_lib.get_config("tiny")
+def tiny_problem(config_string="tiny"):
+  """(loss_fn, params, a random direction shaped like them, one training batch) of a model."""
+  config = config_lib.get_config(config_string)
   graphdef, params = nnx.split(model_lib.build(config.model))
   tokens_BxL1 = np.asarray(next(iter(data_lib.make_train_iterator(config)))["tokens"], np.int32)
   loss_fn = lambda p, t: losses.lm_loss(nnx.merge(graphdef, p), t)
   flat_N, unravel = ravel_pytree(params)
   vector = unravel(jax.random.normal(jax.random.key(1), flat_N.shape, flat_N.dtype))
+  return loss_fn, params, vector, tokens_BxL1
+
+
+def main():
+  loss_fn, params, vector, tokens_BxL1 = tiny_problem()
+  flat_N, unravel = ravel_pytree(params)
 
   grad = jax.jit(jax.value_and_grad(loss_fn))
   hvp = jax.jit(lambda p, v, t: hessian.hvp(loss_fn, p, v, t))
@@ -152,20 +159,14 @@ def main():
 
 def barriers_main(rounds):
   """One HVP of the tiny pre and geonorm models, jitted with XLA's default CPU options and
-  with compile_options.for_mesh (optimization barriers kept until fusion), alternating;
-  medians and the largest difference between the two products."""
-  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  with compile_options.KEEP_BARRIERS (what compile_options.for_mesh gives a CPU: optimization
+  barriers kept until fusion), alternating; medians and the largest difference between the
+  two products."""
   from geonorm_jax import compile_options  # pylint: disable=g-import-not-at-top
-  options = compile_options.for_mesh(Mesh(np.array(jax.devices()[:1]), ("data",)))
+  options = compile_options.KEEP_BARRIERS
   out = {}
   for placement in ("pre", "geonorm"):
-    config = config_lib.get_config(f"tiny,placement={placement}")
-    graphdef, params = nnx.split(model_lib.build(config.model))
-    tokens_BxL1 = np.asarray(next(iter(data_lib.make_train_iterator(config)))["tokens"],
-                             np.int32)
-    loss_fn = lambda p, t, graphdef=graphdef: losses.lm_loss(nnx.merge(graphdef, p), t)
-    flat_N, unravel = ravel_pytree(params)
-    vector = unravel(jax.random.normal(jax.random.key(1), flat_N.shape, flat_N.dtype))
+    loss_fn, params, vector, tokens_BxL1 = tiny_problem(f"tiny,placement={placement}")
     hvp = lambda p, v, t, loss_fn=loss_fn: hessian.hvp(loss_fn, p, v, t)
     calls = {"default": jax.jit(hvp), "barriers_kept": jax.jit(hvp, compiler_options=options)}
     values = {name: ravel_pytree(jax.block_until_ready(call(params, vector, tokens_BxL1)))[0]

@@ -47,7 +47,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from geonorm_jax import compile_options
 from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
 from geonorm_jax import layers as layers_lib
@@ -127,10 +126,10 @@ def torch_stepper(config, spec):
 class JaxStepper:
   """Our train step as the train loop runs it: donated state, metrics read one step late."""
 
-  def __init__(self, config):
+  def __init__(self, config, compiler_options=None):
     self.setup = train.make_setup(config)
     self.state = train.init_state(self.setup)
-    self.step_fn = train.make_train_step(self.setup)
+    self.step_fn = train.make_train_step(self.setup, compiler_options)
     self.num_params = sum(x.size for x in jax.tree.leaves(self.state["params"]))
 
   def __call__(self, tokens):
@@ -315,36 +314,22 @@ def bench_placements(args):
   return out
 
 
-@contextlib.contextmanager
-def barriers_dropped():
-  """Steps built inside compile with XLA's default CPU options, which drop optimization
-  barriers before fusion (compile_options.for_mesh keeps them)."""
-  saved = compile_options.for_mesh
-  compile_options.for_mesh = lambda mesh: {}
-  try:
-    yield
-  finally:
-    compile_options.for_mesh = saved
-
-
 def bench_barriers(args):
-  """Pre-LN and GeoNorm with and without the barrier option, over current Pre-LN; and the
-  largest difference of 20 GeoNorm losses between the two (float reordering only)."""
+  """Pre-LN and GeoNorm with and without the barrier option (without: no compiler options,
+  XLA's defaults, which drop optimization barriers before fusion), over current Pre-LN; and
+  the largest difference of 20 GeoNorm losses between the two (float reordering only)."""
   batches = make_batches(make_config("tiny"))
   steppers = {}
   for name, placement in (("pre", "pre"), ("geonorm", "geonorm")):
     config = make_config("tiny", f"model.placement={placement}")
     steppers[name] = JaxStepper(config)
-    with barriers_dropped():
-      steppers[name + ", barriers dropped"] = JaxStepper(config)
+    steppers[name + ", barriers dropped"] = JaxStepper(config, compiler_options={})
   times = timed_rounds(steppers, batches, args.rounds, args.steps)
   out = {name: {"step_ms": 1e3 * statistics.median(t),
                 "over_pre": statistics.median(a / b for a, b in zip(t, times["pre"]))}
          for name, t in times.items()}
   config = make_config("tiny", "model.placement=geonorm")
-  kept = JaxStepper(config)
-  with barriers_dropped():
-    dropped = JaxStepper(config)
+  kept, dropped = JaxStepper(config), JaxStepper(config, compiler_options={})
   pairs = [(_finish(kept(b)), _finish(dropped(b)))
            for b in make_batches(make_config("tiny"), 20)]
   out["geonorm_losses"] = {"steps": 20, "kept": [a for a, _ in pairs],

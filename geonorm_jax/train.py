@@ -150,8 +150,12 @@ def _accumulated_grads(graphdef, params, tokens_AxBxL1):
   return loss_sum / count, jax.tree.map(lambda g: g / count, grad_sum)
 
 
-def make_train_step(setup):
-  """jit(state, tokens_AxBxL1) -> (state, metrics), state donated, shardings pinned."""
+def make_train_step(setup, compiler_options=None):
+  """jit(state, tokens_AxBxL1) -> (state, metrics), state donated, shardings pinned.
+
+  compiler_options: XLA's options for the step; None means compile_options.for_mesh."""
+  if compiler_options is None:
+    compiler_options = compile_options.for_mesh(setup.mesh)
   graphdef, optimizer, schedule = setup.graphdef, setup.optimizer, setup.schedule
   after_update = placements.get_placement(setup.spec.placement).after_update
   with_layer_stats = setup.config.train.layer_stats_every > 0
@@ -192,7 +196,7 @@ def make_train_step(setup):
 
   return jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                  out_shardings=(setup.state_shardings, None), donate_argnums=0,
-                 compiler_options=compile_options.for_mesh(setup.mesh))
+                 compiler_options=compiler_options)
 
 
 def _per_layer_norms(tree, scan_layers):

@@ -188,21 +188,22 @@ def test_fsdp_keeps_each_devices_activations_to_its_own_rows(monkeypatch):
   assert constrained < 0.5 * unconstrained, (constrained, unconstrained)
 
 
-def test_cpu_step_keeps_the_geodesic_barriers_until_fusion(monkeypatch):
+def test_cpu_step_keeps_the_geodesic_barriers_until_fusion():
   """compile_options keeps the optimization barriers of GeoNorm's update (two per update in
   the gradient: tangents in and out) in the compiled CPU step; XLA's default pipeline drops
   them all, and then fuses the gradient of every update into loops that recompute the later
   ones (GeoNorm 1.108x -> 1.061x Pre-LN's step, results/bench/train.json `barriers`)."""
   config = config_lib.get_config(SMALL + ",placement=geonorm")
 
-  def barriers():
-    setup = train.make_setup(config, jax.devices()[:1])
-    abstract = train.sharded_abstract_state(setup)
-    tokens = jax.ShapeDtypeStruct((1, 16, 33), jnp.int32, sharding=setup.batch_sharding)
-    return train.make_train_step(setup).lower(abstract, tokens).compile().as_text().count(
-        "opt-barrier(")
+  setup = train.make_setup(config, jax.devices()[:1])
+  abstract = train.sharded_abstract_state(setup)
+  tokens = jax.ShapeDtypeStruct((1, 16, 33), jnp.int32, sharding=setup.batch_sharding)
+
+  def barriers(compiler_options=None):
+    step = train.make_train_step(setup, compiler_options)
+    return step.lower(abstract, tokens).compile().as_text().count("opt-barrier(")
 
   updates = 2 * config.model.num_layers
+  assert compile_options.for_mesh(setup.mesh) == compile_options.KEEP_BARRIERS
   assert barriers() >= 2 * updates
-  monkeypatch.setattr(compile_options, "for_mesh", lambda mesh: {})
-  assert barriers() == 0
+  assert barriers(compiler_options={}) == 0

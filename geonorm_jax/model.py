@@ -178,6 +178,26 @@ class Attention(nnx.Module):
 ATTENTION_BLOCK = 64
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def softmax(x, axis=-1):
+  """jax.nn.softmax with its derivative written out: y * (dx - sum(y * dx)).
+
+  jax.nn.softmax, while `jax_softmax_custom_jvp` stays off (its default), is differentiated
+  through the exp, the sum and the division; the gradient then takes more passes over the
+  scores. On a CPU the tiny train step ran 1.09x faster with this one
+  (results/bench/train.json, `softmax` part).
+  """
+  unnormalized = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis, keepdims=True)))
+  return unnormalized / jnp.sum(unnormalized, axis, keepdims=True)
+
+
+@softmax.defjvp
+def _softmax_jvp(axis, primals, tangents):
+  (x,), (dx,) = primals, tangents
+  y = softmax(x, axis)
+  return y, y * (dx - jnp.sum(y * dx, axis, keepdims=True))
+
+
 def causal_attention(q_BxLxHxK, k_BxMxGxK, v_BxMxGxK, scale, impl="dense"):
   """Grouped-query causal attention; query head h reads KV head h // (H/G), as in HF LLaMA.
 
@@ -209,7 +229,7 @@ def _causal_attention_block(q_BxLxHxK, k_BxMxGxK, v_BxMxGxK, scale, start, stop)
                       preferred_element_type=jnp.float32) * scale
   visible_NxS = jnp.arange(stop)[None, :] <= jnp.arange(start, stop)[:, None]
   scores = jnp.where(visible_NxS, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxGxK.dtype)
+  probs = softmax(scores, axis=-1).astype(v_BxSxGxK.dtype)
   out = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxSxGxK)
   return out.reshape(batch, stop - start, heads, hd)
 
@@ -224,7 +244,7 @@ def cached_attention(q_BxLxHxK, k_BxCxGxK, v_BxCxGxK, position, scale):
                       preferred_element_type=jnp.float32) * scale
   visible_LxC = jnp.arange(capacity)[None, :] <= position + jnp.arange(length)[:, None]
   scores = jnp.where(visible_LxC, scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BxCxGxK.dtype)
+  probs = softmax(scores, axis=-1).astype(v_BxCxGxK.dtype)
   out = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BxCxGxK)
   return out.reshape(batch, length, heads, hd)
 

@@ -254,6 +254,30 @@ def _attention_float64(q, k, v, scale):
   return out
 
 
+def test_softmax_derivatives_equal_autodiff_of_the_formula():
+  """model.softmax's written-out derivative against JAX's derivative of exp(x) / sum exp(x)
+  in float64: value, gradient, a Hessian-vector product (forward over reverse) and forward
+  mode, on rows with masked entries (the attention's finfo.min) and one large logit."""
+  with jax.enable_x64(True):
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = 3.0 * jax.random.normal(keys[0], (2, 5, 7), jnp.float64)
+    x = x.at[:, :, 4:].set(jnp.finfo(jnp.float32).min).at[0, 0, 1].set(40.0)
+    weights, direction = (jax.random.normal(k, x.shape, jnp.float64) for k in keys[1:])
+    formula = lambda x: jnp.exp(x - x.max(-1, keepdims=True)) / jnp.sum(
+        jnp.exp(x - x.max(-1, keepdims=True)), -1, keepdims=True)
+
+    def derivatives(fn):
+      objective = lambda x: jnp.sum(jnp.sin(fn(x)) * weights)
+      return (fn(x), jax.grad(objective)(x),
+              jax.jvp(jax.grad(objective), (x,), (direction,))[1],
+              jax.jvp(fn, (x,), (direction,))[1])
+    got, want = derivatives(lambda x: model_lib.softmax(x, -1)), derivatives(formula)
+  reference = np.exp(np.asarray(x) - np.asarray(x).max(-1, keepdims=True))
+  np.testing.assert_allclose(got[0], reference / reference.sum(-1, keepdims=True), rtol=1e-12)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("impl", ["dense", "blocked"])
 def test_attention_implementations_match_float64_and_each_other(impl):
   # 150 queries: two full blocks of ATTENTION_BLOCK and a partial one; 4 query heads on 2 KV heads.

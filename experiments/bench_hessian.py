@@ -64,6 +64,7 @@ from jax.flatten_util import ravel_pytree
 import numpy as np
 from flax import nnx
 
+from geonorm_jax import compile_options
 from geonorm_jax import config as config_lib
 from geonorm_jax import data as data_lib
 from geonorm_jax import hessian, losses, model as model_lib
@@ -162,7 +163,6 @@ def barriers_main(rounds):
   with compile_options.KEEP_BARRIERS (what compile_options.for_mesh gives a CPU: optimization
   barriers kept until fusion), alternating; medians and the largest difference between the
   two products."""
-  from geonorm_jax import compile_options  # pylint: disable=g-import-not-at-top
   options = compile_options.KEEP_BARRIERS
   out = {}
   for placement in ("pre", "geonorm"):

@@ -25,14 +25,13 @@ import os
 import pathlib
 import re
 import sys
+import statistics
 import tempfile
-import time
 
 if __name__ == "__main__":  # one core, before JAX and torch size their thread pools
   os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -66,17 +65,15 @@ def _jax_group(dims, is_dot, hidden):
   return "everything else"
 
 
-def profile_ours(config, batches):
-  stepper = bench_train.JaxStepper(config)
+def profile_ours(stepper, config, batches):
   batch = bench_train.train.global_batch(stepper.setup, {"tokens": batches[0]})
   instructions = _hlo_instructions(stepper.step_fn.lower(stepper.state, batch).compile()
                                    .as_text())
   hidden = 4 * config.model.d_model
-  step_ms = _time(stepper, batches)
+  step_ms = _median_step_ms(stepper, batches)
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir):
-      for i in range(STEPS):
-        bench_train._finish(stepper(batches[i % len(batches)]))
+      _run_profiled_steps(stepper, batches)
     trace = next(pathlib.Path(trace_dir).rglob("*.trace.json.gz"))
     events = json.load(gzip.open(trace))["traceEvents"]
   groups = collections.Counter()
@@ -88,10 +85,9 @@ def profile_ours(config, batches):
 
 def profile_torch(config, spec, batches):
   step, _ = bench_train.torch_stepper(config, spec)
-  step_ms = _time(step, batches)
+  step_ms = _median_step_ms(step, batches)
   with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-    for i in range(STEPS):
-      bench_train._finish(step(batches[i % len(batches)]))
+    _run_profiled_steps(step, batches)
   groups = collections.Counter()
   for e in prof.key_averages():
     if e.key in ("aten::mm", "aten::addmm"):
@@ -106,25 +102,22 @@ def profile_torch(config, spec, batches):
   return step_ms, groups
 
 
-def _time(step, batches, rounds=5):
-  """Median seconds per step over rounds of 2 steps, in milliseconds."""
-  bench_train._finish(step(batches[0]))
-  times = []
-  for r in range(rounds):
-    start = time.perf_counter()
-    for i in range(2):
-      loss = step(batches[(2 * r + i) % len(batches)])
-    bench_train._finish(loss)
-    times.append((time.perf_counter() - start) / 2 * 1e3)
-  return float(np.median(times))
+def _median_step_ms(step, batches):
+  """Milliseconds per step, the median of 5 rounds of 2 steps (after one warm-up step)."""
+  return 1e3 * statistics.median(bench_train.timed_rounds({"step": step}, batches, 5, 2)["step"])
+
+
+def _run_profiled_steps(step, batches):
+  for i in range(STEPS):
+    bench_train._finish(step(batches[i % len(batches)]))
 
 
 def profile_model(model):
   config = bench_train.make_config(model)
   batches = bench_train.make_batches(config)
-  ours_ms, ours = profile_ours(config, batches)
-  spec = bench_train.train.make_setup(config).spec
-  torch_ms, theirs = profile_torch(config, spec, batches)
+  stepper = bench_train.JaxStepper(config)
+  ours_ms, ours = profile_ours(stepper, config, batches)
+  torch_ms, theirs = profile_torch(config, stepper.setup.spec, batches)
   out = {
       "config": bench_train.MODELS[model] or "tiny preset",
       "step_ms": {"ours": ours_ms, "torch": torch_ms},

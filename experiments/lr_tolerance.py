@@ -12,8 +12,8 @@ The largest stable LR of a variant: the largest grid LR at which every seed is s
 ratio to Pre-LN's is the claim's number (a lower bound when it is the grid's largest).
 CPU scale: configs/shakespeare.py cut to 300 steps, 5 variants x 7 LRs (1e-3 to 1), about 30
 minutes on a quiet 2-core CPU; --quick: pre and simplenorm only. Paper scale:
-configs/llama.py:llama2_1b (SimpleGPT's 1B size). Writes results/lr_tolerance/{results.csv, curves.csv, table.md,
-config.json, verdict.json, loss_vs_lr.png}.
+configs/llama.py:llama2_1b (SimpleGPT's 1B size). Writes results/lr_tolerance/{results.csv,
+curves.csv, table.md, config.json, verdict.json, loss_vs_lr.png}.
 Verdict: reproduced when SimpleNorm's largest stable LR is at least 3x Pre-LN's; not
 reproduced when it is below that; unresolved when Pre-LN is stable at no LR or at the grid's
 largest (the ratio then has no upper end: extend --lrs).

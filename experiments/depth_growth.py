@@ -30,7 +30,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from geonorm_jax import claims  # pylint: disable=g-import-not-at-top
+from geonorm_jax import claims, sweep  # pylint: disable=g-import-not-at-top
 
 NAME = "depth_growth"
 CLAIM = "Pre-LN's hidden states grow exponentially in depth, Peri-LN's linearly"
@@ -93,7 +93,7 @@ def measure(args):
   for name, overrides in claims.variant_list(args):
     for depth in depths:
       for seed in args.seed_list:
-        config = claims.load_config(scale.config_file, claims.join(
+        config = sweep.load_config(scale.config_file, claims.join(
             scale.overrides, overrides, f"num_layers={depth}", INIT[args.scale], args.extra),
                                     seed)
         model = model_lib.build(spec_lib.resolve(config.model), seed=seed)

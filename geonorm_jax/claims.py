@@ -5,13 +5,25 @@ figures from the folder alone.
 An experiment module declares:
   NAME       the folder name under results/, also stored in config.json for `report`
   CLAIM      one line: the paper's statement under test
-  SCALES     {"cpu": Scale, "paper": Scale}: the recipe each run starts from
+  SCALES     {"judge": Scale, "paper": Scale}: the recipe each run starts from (judge: the
+             judge scale of configs/judge.py, where the models have learned; paper: the
+             paper's sizes, for an accelerator)
   CURVES     (split, key prefix) pairs of metrics.jsonl copied into curves.csv
   grid(args, scale) -> [Variant]      the grid without seeds (args.quick shrinks it)
   summarize(rows, curves, config) -> Summary     table, verdict and figures, from files only
-and optionally add_arguments(parser), row_extra(run, workdir_config) -> dict, and
+and optionally add_arguments(parser), row_extra(run, workdir_config) -> dict,
 measure(args) -> (rows, curves) for what needs no training (computed in this process, in the
-same row and curve format, after the runs).
+same row and curve format, after the runs), and TUNED_LRS {scale: "lr,lr,..."}: the
+learning-rate protocol (`run_tuned`): each variant of the grid at its own best peak LR.
+
+The learning-rate protocol. Every variant first trains at each LR of the grid on one
+selection seed (--selection_seed, never one of the final seeds); an optimum on an edge of the
+grid extends the grid by a factor of 2 beyond that edge (at most --max_extensions times per
+side) until the best LR is interior; then the final seeds train at each variant's best LR.
+Rows carry `lr` and `stage` (select | final); the verdict reads the final rows, and the
+selection rows give the shared-LR comparison and the LR curves. Selection runs live under one
+root for all experiments (runs/claims/lr_grid/SCALE), so experiments that share a variant and
+a grid (norm_zoo and lr_tolerance) train it once.
 
 A results folder holds results.csv (one row per finished run: labels, seed, final numbers),
 curves.csv (name, split, key, step, value), config.json (the experiment, its scale, seeds and
@@ -34,6 +46,7 @@ from geonorm_jax import metrics, sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERDICTS = ("reproduced", "not at this scale", "contradicted", "unresolved")
+SELECTION_SEED = 100  # the LR grid's seed: never one of the final seeds (0, 1, 2, ...)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,14 +92,17 @@ def join(*parts):
 
 def parse_args(experiment, argv=None):
   parser = argparse.ArgumentParser(description=experiment.__doc__.splitlines()[0])
-  parser.add_argument("--scale", choices=("cpu", "paper"), default="cpu",
-                      help="cpu: this machine; paper: the paper's sizes, for an accelerator")
+  parser.add_argument("--scale", choices=tuple(experiment.SCALES), default="judge",
+                      help="judge: the judge scale (configs/judge.py) on this machine; "
+                      "paper: the paper's sizes, for an accelerator")
   parser.add_argument("--seeds", default=None, help="comma list (init and data order); "
                       "default the scale's")
-  parser.add_argument("--quick", action="store_true", help="the smallest grid that still "
-                      "answers the question roughly (one seed unless --seeds)")
+  parser.add_argument("--quick", action="store_true", help="a smoke run: the smallest grid, "
+                      "one seed unless --seeds; its numbers are not verdicts (the verdict is "
+                      "'unresolved') and it writes results/NAME_quick unless --out")
   parser.add_argument("--extra", default="", help="overrides added to every run, e.g. steps=20")
-  parser.add_argument("--jobs", type=int, default=1, help="runs at a time (processes)")
+  parser.add_argument("--jobs", type=int, default=None, help="runs at a time (processes), "
+                      "each pinned to its share of the cores; default one per core on a CPU")
   parser.add_argument("--root", default=None, help="folder of the runs' workdirs; default "
                       "runs/claims/NAME/SCALE")
   parser.add_argument("--out", default=None, help="results folder; default results/NAME "
@@ -95,6 +111,13 @@ def parse_args(experiment, argv=None):
                       help="print one train command per run (for a cluster) and exit")
   parser.add_argument("--report_only", action="store_true",
                       help="collect the finished runs without training any")
+  if hasattr(experiment, "TUNED_LRS"):
+    parser.add_argument("--lrs", default=None, help="the starting LR grid of the protocol; "
+                        "default the experiment's TUNED_LRS for the scale")
+    parser.add_argument("--selection_seed", type=int, default=SELECTION_SEED,
+                        help="the seed every grid LR trains on (never a final seed)")
+    parser.add_argument("--max_extensions", type=int, default=3, help="how often an optimum "
+                        "on an edge extends the grid by 2x on that side")
   if hasattr(experiment, "add_arguments"):
     experiment.add_arguments(parser)
   args = parser.parse_args(argv)
@@ -104,35 +127,110 @@ def parse_args(experiment, argv=None):
     args.seed_list = [int(s) for s in args.seeds.split(",")]
   except ValueError:
     parser.error(f"--seeds: {args.seeds!r} is not a comma list of integers")
-  suffix = "" if args.scale == "cpu" else "_paper"
+  if hasattr(experiment, "TUNED_LRS") and args.selection_seed in args.seed_list:
+    parser.error(f"--selection_seed={args.selection_seed} is one of --seeds={args.seeds}: the "
+                 "final seeds must be fresh")
+  suffix = ("_quick" if args.quick else "") + ("" if args.scale == "judge" else "_" + args.scale)
+  # The LR grid's runs are shared by the experiments: runs/claims/lr_grid/SCALE, or
+  # ROOT/lr_grid under an explicit --root.
+  args.grid_root = (os.path.join(args.root, "lr_grid") if args.root else
+                    os.path.join("runs", "claims", "lr_grid", args.scale))
   args.root = args.root or os.path.join("runs", "claims", experiment.NAME, args.scale)
   args.out = args.out or os.path.join(REPO, "results", experiment.NAME + suffix)
   return args
 
 
-def make_runs(experiment, args):
-  scale = experiment.SCALES[args.scale]
-  runs = []
-  for v in experiment.grid(args, scale):
-    for seed in args.seed_list:
-      overrides = join(scale.overrides, v.overrides, args.extra, "progress_bar=false")
-      runs.append(sweep.Run(f"{v.name}/seed{seed}", scale.config_file, overrides, seed,
-                            args.root, labels=v.labels))
+def _make_run(args, scale, v, seed, root, lr=None, stage=None):
+  """One train run of variant v; with lr, at that peak LR and labelled with lr and stage."""
+  overrides = join(scale.overrides, v.overrides, f"lr={lr:g}" if lr else "", args.extra,
+                   "progress_bar=false")
+  name = f"{v.name}/lr{lr:g}/seed{seed}" if lr else f"{v.name}/seed{seed}"
+  labels = v.labels + ((("lr", lr), ("stage", stage)) if lr else ())
+  return sweep.Run(name, scale.config_file, overrides, seed, root, labels=labels)
+
+
+def _checked(experiment, runs):
   if len({run.name for run in runs}) != len(runs):
     raise ValueError(f"{experiment.NAME}: two runs share a name")
   for r in runs:  # a bad --extra or grid value: one error now, not one per train process
     try:
-      load_config(r.config_file, r.overrides, r.seed)
+      r.config()
     except ValueError as e:
       raise SystemExit(f"{experiment.NAME}: run {r.name}: {e}") from None
   return runs
 
 
+def make_runs(experiment, args):
+  """Every run of an untuned experiment; of a tuned one, the selection runs of the starting
+  grid (the final runs depend on their results: run_tuned)."""
+  scale = experiment.SCALES[args.scale]
+  if hasattr(experiment, "TUNED_LRS"):
+    return _checked(experiment, [
+        _make_run(args, scale, v, args.selection_seed, args.grid_root, lr, "select")
+        for v in experiment.grid(args, scale) for lr in starting_lrs(experiment, args)])
+  return _checked(experiment, [_make_run(args, scale, v, seed, args.root)
+                               for v in experiment.grid(args, scale) for seed in args.seed_list])
+
+
+def starting_lrs(experiment, args):
+  text = args.lrs or experiment.TUNED_LRS[args.scale]
+  try:
+    return sorted({float(lr) for lr in text.split(",")})
+  except ValueError:
+    raise SystemExit(f"--lrs: {text!r} is not a comma list of numbers") from None
+
+
+def run_tuned(experiment, args):
+  """The learning-rate protocol (module docstring): selection grid, extended until each
+  variant's optimum is interior, then the final seeds at each variant's best LR."""
+  scale = experiment.SCALES[args.scale]
+  variants = experiment.grid(args, scale)
+  grids = {v.name: starting_lrs(experiment, args) for v in variants}
+  extensions = {v.name: 0 for v in variants}
+
+  def selection_runs():
+    return _checked(experiment, [
+        _make_run(args, scale, v, args.selection_seed, args.grid_root, lr, "select")
+        for v in variants for lr in grids[v.name]])
+
+  while True:
+    runs = selection_runs()
+    sweep.execute(args, runs)  # exits after --print: the final runs need these results
+    extended = False
+    for v in variants:
+      losses = {dict(r.labels)["lr"]: (r.summary() or {}).get("final_eval_loss", float("nan"))
+                for r in runs if tuned_variant(r.name) == v.name}
+      optimum = grid_optimum(sorted(losses), [losses[lr] for lr in sorted(losses)])
+      if (args.report_only or not optimum.at_edge or extensions[v.name] >= args.max_extensions
+          or any(math.isnan(x) for x in losses.values())):
+        continue
+      lrs = grids[v.name]
+      grids[v.name] = sorted(lrs + [lrs[0] / 2 if optimum.x == lrs[0] else lrs[-1] * 2])
+      extensions[v.name] += 1
+      extended = True
+      print(f"{experiment.NAME}: {v.name}: best LR {optimum.x:g} is on the grid's edge; "
+            f"adding {(set(grids[v.name]) - set(lrs)).pop():g}", flush=True)
+    if not extended:
+      break
+  rows = [dict(r.labels, name=r.name, final_eval_loss=(r.summary() or {}).get(
+      "final_eval_loss", float("nan"))) for r in runs]
+  best = tuned_lrs(rows)
+  final = _checked(experiment, [
+      _make_run(args, scale, v, seed, args.root, best[v.name].x, "final")
+      for v in variants if v.name in best and best[v.name].x is not None
+      for seed in args.seed_list])
+  sweep.execute(args, final)
+  return runs + final
+
+
 def run(experiment, argv=None):
   """Parse the flags, run (or print) the unfinished runs, collect, write and report."""
   args = parse_args(experiment, argv)
-  runs = make_runs(experiment, args)
-  sweep.execute(args, runs)  # exits after --print
+  if hasattr(experiment, "TUNED_LRS"):
+    runs = run_tuned(experiment, args)
+  else:
+    runs = make_runs(experiment, args)
+    sweep.execute(args, runs)  # exits after --print
   finished = [r for r in runs if r.summary() is not None]
   rows, curves = collect(experiment, finished)
   if hasattr(experiment, "measure"):
@@ -158,21 +256,13 @@ def run(experiment, argv=None):
   return summary
 
 
-def load_config(config_file, overrides, seed=0):
-  """What `train --config=config_file:overrides --config.seed=S --config.data.seed=S` trains."""
-  path = os.path.join(REPO, config_file)
-  spec = importlib.util.spec_from_file_location("claim_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(overrides)
-  config.seed = config.data.seed = seed
-  return config
-
-
 def _command(experiment, argv):
   """The command line that wrote a results folder, as a reader would retype it."""
   import shlex  # pylint: disable=g-import-not-at-top
   arguments = sys.argv[1:] if argv is None else argv
+  # Where the runs and results went and how many ran at once change no number: left out, so
+  # no results file names a machine's folders.
+  arguments = [a for a in arguments if not a.startswith(("--root=", "--out=", "--jobs="))]
   return shlex.join(["python", f"experiments/{experiment.NAME}.py", *arguments])
 
 
@@ -360,6 +450,56 @@ def compare(a, b):
   return "lower" if ma < mb else "higher"
 
 
+@dataclasses.dataclass(frozen=True)
+class Optimum:
+  """The best value of a grid: x (None when no loss is finite), its loss, and whether it lies
+  on an edge of the grid (its smallest or largest value, or a grid of fewer than 3 values),
+  where the loss may go on falling beyond the grid: such an optimum decides no verdict."""
+  x: float | None
+  loss: float
+  at_edge: bool
+  grid: tuple
+
+  def describe(self, what="lr"):
+    if self.x is None:
+      return f"no finite loss on the {what} grid {list(self.grid)}"
+    edge = " (optimum at the grid edge)" if self.at_edge else ""
+    return f"best {what} {self.x:g} of {', '.join(f'{x:g}' for x in self.grid)}{edge}"
+
+
+def grid_optimum(xs, losses):
+  """The Optimum of losses over the grid xs (any order); non-finite losses never win."""
+  order = np.argsort(np.asarray(xs, float))
+  xs = [float(xs[i]) for i in order]
+  y = np.asarray([losses[i] for i in order], float)
+  y = np.where(np.isfinite(y), y, np.inf)
+  if not len(y) or not np.isfinite(y.min()):
+    return Optimum(None, float("nan"), False, tuple(xs))
+  best = int(np.argmin(y))
+  return Optimum(xs[best], float(y[best]), len(xs) < 3 or best in (0, len(xs) - 1), tuple(xs))
+
+
+def tuned_variant(run_name):
+  """'pre/lr0.002/seed100' -> 'pre': the variant a tuned run belongs to."""
+  return run_name.rsplit("/lr", 1)[0]
+
+
+def tuned_lrs(rows, key="final_eval_loss"):
+  """{variant: Optimum of the selection rows' `key` over their LR grid}."""
+  selection = [row for row in rows if row.get("stage") == "select"]
+  out = {}
+  for row in selection:
+    out.setdefault(tuned_variant(row["name"]), {})[row["lr"]] = row[key]
+  return {name: grid_optimum(list(by_lr), list(by_lr.values())) for name, by_lr in out.items()}
+
+
+def at_edge(optima, what="lr"):
+  """The 'optimum at the grid edge' refusal for a verdict resting on these optima, or None."""
+  edged = [f"{name}: {o.describe(what)}" for name, o in optima.items() if o.at_edge or o.x is None]
+  return ("optimum at the grid edge, no verdict (extend the grid): " + "; ".join(edged)
+          if edged else None)
+
+
 def curve(curves, name, key, split="train"):
   """(steps, values) of one run's scalar in curves.csv, sorted by step."""
   points = sorted((c["step"], c["value"]) for c in curves
@@ -414,6 +554,91 @@ def cell(rows, key, digits=3):
   return fmt(values(rows, key), digits)
 
 
+# Reference losses on character-level tinyshakespeare, drawn on the loss axes: a model that
+# knows only character frequencies (the unigram entropy of the file), and nanoGPT's two
+# published recipes (its README).
+REFERENCE_LOSSES = (("unigram", 3.35), ("nanoGPT CPU recipe", 1.88), ("nanoGPT GPU recipe", 1.47))
+
+
+def _reference_lines(axes, horizontal=True):
+  for i, (label, value) in enumerate(REFERENCE_LOSSES):
+    line = axes.axhline if horizontal else axes.axvline
+    line(value, color="grey", ls=(":", "--", "-.")[i], lw=0.8, label=f"{label} {value:g}")
+
+
+def plot_mean_curves(figure, curves, rows, label_key, key="loss", split="eval",
+                     ylabel="validation loss (nats/token)", title=""):
+  """Per label the mean curve over its seeds, with the min-max band; reference losses drawn
+  and the y axis cut to the range the curves reach after their first point (where the
+  placements differ), not the loss at initialisation."""
+  axes = figure.add_subplot(1, 1, 1)
+  lows = []
+  for i, ((label,), runs) in enumerate(group(rows, label_key).items()):
+    series = [curve(curves, row["name"], key, split) for row in runs]
+    series = [(s, y) for s, y in series if len(s)]
+    if not series:
+      continue
+    steps = sorted(set.intersection(*(set(s.tolist()) for s, _ in series)))
+    ys = np.asarray([[dict(zip(s.tolist(), y))[t] for t in steps] for s, y in series])
+    axes.plot(steps, ys.mean(0), color=f"C{i % 10}", lw=1.5, label=f"{label} ({len(series)})")
+    axes.fill_between(steps, ys.min(0), ys.max(0), color=f"C{i % 10}", alpha=0.2, lw=0)
+    lows.append((np.nanmin(ys), np.nanmax(ys[:, 1:]) if ys.shape[1] > 1 else np.nanmax(ys)))
+  _reference_lines(axes)
+  if lows:
+    low, high = min(l for l, _ in lows), max(h for _, h in lows)
+    axes.set_ylim(min(low, 1.47) - 0.05, max(high, 3.35) + 0.05)
+  axes.set_xlabel("training step")
+  axes.set_ylabel(ylabel)
+  axes.set_title(title, fontsize=9)
+  axes.legend(fontsize=7, ncol=2)
+  axes.grid(alpha=0.3)
+  return axes
+
+
+def plot_final_losses(figure, rows, label_key, key="final_eval_loss", title=""):
+  """Final losses as dots (mean over seeds) with min-max bars, one row per label, sorted."""
+  axes = figure.add_subplot(1, 1, 1)
+  cells = [(label, values(runs, key)) for (label,), runs in group(rows, label_key).items()]
+  cells = sorted(cells, key=lambda c: mean_spread(c[1])[0])
+  for i, (label, x) in enumerate(cells):
+    finite = x[np.isfinite(x)]
+    if not len(finite):
+      continue
+    mean = finite.mean()
+    axes.errorbar([mean], [i], xerr=[[mean - finite.min()], [finite.max() - mean]], fmt="o",
+                  color="C0", capsize=3)
+    axes.plot(finite, [i] * len(finite), "|", color="C0", alpha=0.5)
+  axes.set_yticks(range(len(cells)), [f"{label} ({len(x)})" for label, x in cells], fontsize=8)
+  axes.invert_yaxis()
+  _reference_lines(axes, horizontal=False)
+  axes.set_xlabel("final validation loss (nats/token)")
+  axes.set_title(title, fontsize=9)
+  axes.legend(fontsize=7)
+  axes.grid(alpha=0.3)
+  return axes
+
+
+def plot_lr_grid(figure, rows, label_key, key="final_eval_loss", title=""):
+  """The selection seed's final loss against peak LR, one line per label; the tuned LR ringed."""
+  axes = figure.add_subplot(1, 1, 1)
+  selection = [row for row in rows if row.get("stage") == "select"]
+  optima = tuned_lrs(selection, key)
+  for i, ((label,), runs) in enumerate(group(selection, label_key).items()):
+    lrs, means, _ = curve_over(runs, "lr", key)
+    axes.plot(lrs, means, marker="o", color=f"C{i % 10}", label=label)
+    best = optima.get(tuned_variant(runs[0]["name"]))
+    if best is not None and best.x is not None:
+      axes.plot([best.x], [best.loss], "o", ms=12, mfc="none", color=f"C{i % 10}")
+  _reference_lines(axes)
+  axes.set_xscale("log")
+  axes.set_xlabel("peak learning rate")
+  axes.set_ylabel("final validation loss (nats/token)")
+  axes.set_title(title, fontsize=9)
+  axes.legend(fontsize=7, ncol=2)
+  axes.grid(alpha=0.3)
+  return axes
+
+
 
 def verdict(config, holds):
   """holds: True (the claim's direction, resolved), False (the opposite, resolved), None.
@@ -423,7 +648,7 @@ def verdict(config, holds):
     return "unresolved"
   if holds:
     return "reproduced"
-  return "not at this scale" if config["scale"] == "cpu" else "contradicted"
+  return "contradicted" if config["scale"] == "paper" else "not at this scale"
 
 
 def add_variants_argument(parser, default):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from geonorm_jax import claims, train
+from geonorm_jax import claims, sweep, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = ("norm_zoo", "geonorm_decay", "seq_length", "update_balance", "lr_tolerance",
@@ -141,7 +141,7 @@ def test_every_grid_has_unique_runs_and_the_cli_train_command():
 # ---------------------------------------------------------------------------
 
 def _config_of(run):
-  config = claims.load_config(run.config_file, run.overrides, run.seed)
+  config = sweep.load_config(run.config_file, run.overrides, run.seed)
   # The paper's corpora are not in the repository; the lowering needs only their shapes.
   config.data.source, config.data.path, config.data.val_path = "builtin", "", ""
   config.data.tokenizer = "byte"

@@ -31,7 +31,12 @@ def get_base_config() -> ml_collections.ConfigDict:
   model.norm_bias = "auto"  # auto (bias iff layernorm on gpt2) | true | false
   model.tie_embeddings = "auto"  # auto (gpt2 tied, llama untied) | true | false
   model.rope_theta = 10000.0
-  model.qk_norm = False  # per-head RMSNorm on q and k, with any placement
+  model.qk_norm = False  # RMSNorm on q and k (before RoPE), with any placement
+  # What qk_norm normalises: head (each head's head_dim, one gain of head_dim shared by the
+  # heads) | full (the whole projected q of width d_model and k of num_kv_heads*head_dim, before
+  # the split into heads, each with its own full-width gain when norm_gain: SimpleGPT's QK-norm
+  # baseline, OLMo-core's default).
+  model.qk_norm_scope = "head"
   model.dt = 1.0  # residual step of every additive placement
   model.embed_norm = False  # norm right after the embedding (Peri-LN option)
   model.init_std = 0.02
@@ -128,6 +133,12 @@ SIZES = {
     "tiny": dict(model=dict(num_layers=4, d_model=128, num_heads=4, max_seq_len=256,
                             tie_embeddings="false"),
                  data=dict(seq_len=128, batch_size=16)),
+    # "tiny" on the LLaMA backbone (RMSNorm with gain and no bias, SwiGLU, no linear biases,
+    # RoPE, untied head), with d_ff chosen so the parameter count matches: 894,080 parameters
+    # against tiny's 891,648 (LLaMA's own rounding, 8/3 d -> 352, would give 869,504).
+    "tiny_llama": dict(model=dict(backbone="llama", num_layers=4, d_model=128, num_heads=4,
+                                  max_seq_len=256, d_ff=368),
+                       data=dict(seq_len=128, batch_size=16)),
     "gpt2_124m": dict(model=dict(num_layers=12, d_model=768, num_heads=12, **_GPT2_ARCH)),
     "gpt2_350m": dict(model=dict(num_layers=24, d_model=1024, num_heads=16, **_GPT2_ARCH)),
     "gpt2_774m": dict(model=dict(num_layers=36, d_model=1280, num_heads=20, **_GPT2_ARCH)),

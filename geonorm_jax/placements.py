@@ -186,22 +186,59 @@ def _ngpt_params(spec, layer):
   return {"alpha": NgptScale(d, spec.option("ngpt_alpha_init"), d ** -0.5, "embed")}
 
 
-# DyT's alpha at init for (attention-input, MLP-input, final) DyT by model width, from the
-# authors' LLaMA commands (jiachenzhu/DyT, other_tasks/LLaMA/README.md: 7B d=4096 0.8/0.2/0.2,
-# 13B d=5120 0.6/0.15/0.15, 34B and 70B d=8192 0.2/0.05/0.05). Narrower models: no published
-# value (open); they take the 7B row.
-DYT_ALPHA_BY_WIDTH = ((4096, (0.8, 0.2, 0.2)), (5120, (0.6, 0.15, 0.15)),
-                      (float("inf"), (0.2, 0.05, 0.05)))
+# DyT's alpha_0 as (attention, other) by model width and depth, from Zhu, Chen, He, LeCun, Liu,
+# "Transformers without Normalization" (arXiv 2503.10622), Section 7.2 "Initialization of alpha
+# for LLMs": the table "Optimal alpha_0 (attention / other) across model widths and depths in
+# LLaMA training" (Table 12 in the first arXiv HTML version, Table 11 in a later one) gives
+# every cell of widths 1024..8192 x depths 8..64; the per-model table ("Optimal alpha_0 for
+# different LLaMA models", Table 11 / 10) adds LLaMA 13B (width 5120, depth 40: 0.6/0.15) and
+# repeats 7B (4096 x 32: 0.8/0.2) and 34B/70B (width printed 8196, i.e. 8192: 0.2/0.05), as
+# the authors' commands do (jiachenzhu/DyT other_tasks/LLaMA/README.md). "attention" is the DyT
+# before attention; "other" is the DyT before the FFN and the final DyT before the head.
+# The paper finds depth has negligible influence: every row is constant along depth.
+DYT_ALPHA_BY_WIDTH_DEPTH = {
+    1024: {8: (1.0, 1.0), 16: (1.0, 1.0), 32: (1.0, 1.0), 64: (1.0, 1.0)},
+    2048: {8: (1.0, 0.5), 16: (1.0, 0.5), 32: (1.0, 0.5), 64: (1.0, 0.5)},
+    4096: {8: (0.8, 0.2), 16: (0.8, 0.2), 32: (0.8, 0.2), 64: (0.8, 0.2)},
+    5120: {40: (0.6, 0.15)},
+    8192: {8: (0.2, 0.05), 16: (0.2, 0.05), 32: (0.2, 0.05), 64: (0.2, 0.05)},
+}
 
 
-def dyt_authors_alphas(d_model):
-  return next(row for width, row in DYT_ALPHA_BY_WIDTH if d_model <= width)
+def _table_entry(entries, value):
+  """The smallest table entry >= value; past the last entry, the last (an extrapolation)."""
+  return next((e for e in sorted(entries) if value <= e), max(entries))
+
+
+def dyt_authors_alphas(d_model, num_layers=None):
+  """(attention-input, MLP-input, final) DyT alpha_0 for a model of this width and depth.
+
+  The row is the smallest table width >= d_model, the column the smallest table depth >=
+  num_layers in that row: a width or depth between two entries takes the next larger entry
+  (for width, the smaller and, per Section 7.1, more stable alpha_0), one below the table
+  its first entry (every width < 1024, e.g. our tiny d=128, takes 1.0/1.0: the paper trains
+  nothing narrower, so that is an extrapolation), one above it its last (8192, 64).
+  num_layers=None: the row's first column (the values do not depend on depth).
+
+  The embedding (Appendix A, "Large Language Models"): the authors multiply the embedding
+  output by a learnable scalar initialised to sqrt(d), because without it "the magnitudes of
+  model activations at the beginning of training are too small, and the training struggles to
+  progress". Our `dyt` placement does the same (embedding_output="scaled": the Transformer's
+  `embed_scale`, a learnable scalar initialised to sqrt(d_model), multiplies tokens (+ learned
+  positions on gpt2) before block 1), on both backbones; the embedding itself keeps the
+  N(0, init_std^2) init, so the stream entering block 1 has rms about init_std * sqrt(d).
+  """
+  row = DYT_ALPHA_BY_WIDTH_DEPTH[_table_entry(DYT_ALPHA_BY_WIDTH_DEPTH, d_model)]
+  depth = min(row) if num_layers is None else _table_entry(row, num_layers)
+  attention, other = row[depth]
+  return attention, other, other
 
 
 def _dyt_alpha(index, site):
   return Option(0.0, f"DyT's alpha at init for the {site} DyT; 0 = the authors' value for "
-                "this width", non_negative,
-                lambda value, c: float(value) or dyt_authors_alphas(c.d_model)[index])
+                "this width and depth", non_negative,
+                lambda value, c: float(value) or dyt_authors_alphas(c.d_model,
+                                                                    c.num_layers)[index])
 
 
 def _scaled_pre(x, sublayer, norms, ctx):

@@ -11,6 +11,7 @@ BACKBONES = ("gpt2", "llama")
 NORM_KINDS = ("layernorm", "rmsnorm")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("auto", "dense", "blocked", "cudnn")
+QK_NORM_SCOPES = ("head", "full")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,9 @@ class ModelSpec:
   options: tuple = ()
   # Sequence slices the head + cross-entropy run in (losses.chunked_cross_entropy).
   loss_chunks: int = 1
+  # With qk_norm: head (RMSNorm over each head's head_dim) | full (over the whole projected
+  # width of q and of k, before the split into heads).
+  qk_norm_scope: str = "head"
 
   def option(self, name):
     """A placement field's resolved value, e.g. spec.option("geo_alpha")."""
@@ -118,6 +122,7 @@ def resolve(model_config):
                      f"{c.d_model // c.num_heads}")
   _choice("dtype", c.dtype, DTYPES)
   _choice("attention", c.attention, ATTENTION_IMPLS)
+  _choice("qk_norm_scope", c.qk_norm_scope, QK_NORM_SCOPES)
   options = []
   for name, option in placements.all_options().items():
     problem = option.check(c[name])
@@ -145,7 +150,8 @@ def resolve(model_config):
       embed_norm=bool(c.embed_norm), init_std=float(c.init_std), dtype=c.dtype,
       remat=bool(c.remat), scan_layers=bool(c.scan_layers),
       attention=c.attention, options=tuple(options),
-      loss_chunks=_positive("loss_chunks", int(c.loss_chunks)))
+      loss_chunks=_positive("loss_chunks", int(c.loss_chunks)),
+      qk_norm_scope=c.qk_norm_scope)
   if spec.scan_layers:
     _check_uniform_blocks(spec)
   return spec

@@ -60,25 +60,28 @@ def test_simplenorm_init_scales_only_the_simplegpt_matrices(backbone):
 
 
 def test_dyt_alpha_by_site_follows_the_authors_table():
-  # jiachenzhu/DyT other_tasks/LLaMA/README.md: 7B 0.8/0.2/0.2, 13B 0.6/0.15/0.15, 70B 0.2/0.05.
+  # jiachenzhu/DyT other_tasks/LLaMA/README.md: 7B 0.8/0.2/0.2, 13B 0.6/0.15/0.15, 70B 0.2/0.05;
+  # narrower widths: the paper's width x depth table (tests/test_dyt_alpha.py), 1.0/1.0 <= 1024.
   for width, expected in [(4096, (0.8, 0.2, 0.2)), (5120, (0.6, 0.15, 0.15)),
-                          (8192, (0.2, 0.05, 0.05)), (128, (0.8, 0.2, 0.2))]:
+                          (8192, (0.2, 0.05, 0.05)), (128, (1.0, 1.0, 1.0))]:
     spec = _spec(f"placement=dyt,d_model={width},num_heads=4")
     assert tuple(spec.option(f"dyt_alpha_{s}") for s in ("attn", "ffn", "final")) == expected
   spec = _spec("placement=dyt,dyt_alpha_attn=0.5,dyt_alpha_final=0.3")
-  assert tuple(spec.option(f"dyt_alpha_{s}") for s in ("attn", "ffn", "final")) == (0.5, 0.2, 0.3)
+  assert tuple(spec.option(f"dyt_alpha_{s}") for s in ("attn", "ffn", "final")) == (0.5, 1.0, 0.3)
   with pytest.raises(ValueError, match="model.dyt_alpha_ffn"):
     _spec("placement=dyt,dyt_alpha_ffn=-1")
 
 
 @pytest.mark.parametrize("backbone,has_bias", [("gpt2", True), ("llama", False)])
 def test_dyt_model_sites_embedding_scale_and_bias(backbone, has_bias):
-  config = _config(f"placement=dyt,backbone={backbone},num_layers=2,d_model=32")
+  # Distinct alpha_0 per site (the table gives 1.0 at all three at this width).
+  config = _config(f"placement=dyt,backbone={backbone},num_layers=2,d_model=32,"
+                   "dyt_alpha_attn=0.8,dyt_alpha_ffn=0.2,dyt_alpha_final=0.1")
   model = model_lib.build(config.model)
   block = model.blocks[0]
   assert float(block.attn_in_norm.alpha[...]) == pytest.approx(0.8)
   assert float(block.mlp_in_norm.alpha[...]) == pytest.approx(0.2)
-  assert float(model.final_norm.alpha[...]) == pytest.approx(0.2)
+  assert float(model.final_norm.alpha[...]) == pytest.approx(0.1)
   assert (block.attn_in_norm.bias is not None) == has_bias  # no beta in the LLaMA variant
   assert float(model.embed_scale[...]) == pytest.approx(math.sqrt(32))
   tokens = jnp.arange(8)[None]

@@ -9,9 +9,10 @@
 ARG is SIZE[,key=value,...] with SIZE 125m or 1.3b; the rest are geonorm_jax.config presets
 (placement=pre for the baseline, geo_schedule=sqrt, ...) and win over the recipe below.
 Model (paper / authors' code): RoPE, untied head, placement geonorm with the harmonic
-schedule. Optimizer (authors' recipe, VARIANTS.md): Adam(0.9, 0.95), lr 6e-4 cosine to 6e-5,
-1% warmup, weight decay 0.1, clip 1.0. The warmup follows train.steps, also when it is
-overridden on the command line.
+schedule (the update as implemented: docs/placements.md). Optimizer (the authors' recipe,
+Zheng et al., 2026, GeoNorm): Adam(0.9, 0.95), lr 6e-4 cosine to 6e-5, 1% warmup, weight
+decay 0.1, clip 1.0. The warmup follows train.steps, also when it is overridden on the
+command line.
 Not from the paper (open): the data (its Arxiv/Books3 sets are not public; the default is
 GPT-2-tokenized FineWeb shards in llm.c format), seq_len 2048, ~0.5M tokens per step
 (256 x 2048) and 20k steps.

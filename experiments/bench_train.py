@@ -392,8 +392,8 @@ def main():
     if part in previous and part not in args.parts.split(","):
       result[part] = previous[part]
       measured.setdefault(part, previous.get("date"))
-  # A rerun part's previous figures move to `history` with their date (the README quotes
-  # before/after pairs from there).
+  # A rerun part's previous figures move to `history` with their date (before/after pairs
+  # are read from there; docs/benchmarks.md gives the current figures).
   history = previous.get("history", {})
   for part in args.parts.split(","):
     if part in previous:

@@ -12,7 +12,7 @@ def _rand(seed, *shape):
 
 
 def _closed_form_geodesic(x, g, alpha):
-  """VARIANTS.md written out in float64 numpy: tangent projection, angle, exponential map."""
+  """The geodesic update (docs/placements.md) written out in float64 numpy: tangent projection, angle, exponential map."""
   v = g - (x @ g) / (x @ x) * x
   theta = alpha * np.linalg.norm(v) / np.linalg.norm(x)
   return np.cos(theta) * x + np.linalg.norm(x) * np.sin(theta) * v / np.linalg.norm(v), theta

@@ -6,7 +6,7 @@ Three independent parts:
   `metrics.jsonl` (for notebooks and experiment scripts, which should not need
   tensorboard to read a number back). Only process 0 writes.
 * Pure JAX statistics (`residual_stats`, `per_layer_norms`, `update_ratio`,
-  `angle_between`) that run inside the jitted train step and return dicts of
+  `angle_between`, `max_angle_between`) that run inside the jitted train step and return dicts of
   scalars, so the host only ever transfers a handful of floats.
 * Throughput helpers: `ProgressBar`, `mfu`, `device_peak_flops`,
   `model_flops_per_token`.
@@ -315,16 +315,17 @@ def _safe_norm(x: jax.Array) -> jax.Array:
   return jnp.where(positive, jnp.sqrt(jnp.where(positive, squared, 1.0)), 0.0)
 
 
-def angle_between(x_before: jax.Array, x_after: jax.Array) -> jax.Array:
-  """Mean angle (radians) between x_before and x_after over all tokens.
+def token_angles(x_before: jax.Array, x_after: jax.Array) -> jax.Array:
+  """The angle (radians, in [0, pi]) between x_before and x_after at every token.
 
-  Vectors live on the last axis. arccos of the cosine is useless for small
-  angles: in float32, cos(1e-4) rounds to 1 and arccos returns 0. Instead we
-  use the half-angle form angle = 2 atan2(|u - v|, |u + v|) of the unit
-  vectors u, v (the atan2(|cross|, dot) idea generalised to any dimension),
-  which is accurate from 0 to pi, needs no clipping, and together with
-  `_safe_norm` has a finite gradient when the two vectors coincide. A zero
-  vector has no direction; its angle is reported as 0.
+  Vectors live on the last axis; the result has the leading axes. arccos of the
+  cosine is useless for small angles: in float32, cos(1e-4) rounds to 1 and
+  arccos returns 0. Instead we use the half-angle form
+  angle = 2 atan2(|u - v|, |u + v|) of the unit vectors u, v (the
+  atan2(|cross|, dot) idea generalised to any dimension), which is accurate
+  from 0 to pi, needs no clipping, and together with `_safe_norm` has a finite
+  gradient when the two vectors coincide. A zero vector has no direction; its
+  angle is reported as 0.
   """
   x = jnp.asarray(x_before, jnp.float32)
   y = jnp.asarray(x_after, jnp.float32)
@@ -333,7 +334,17 @@ def angle_between(x_before: jax.Array, x_after: jax.Array) -> jax.Array:
   v = y / jnp.where(y_norm > 0, y_norm, 1.0)
   angle = 2.0 * jnp.arctan2(_safe_norm(u - v), _safe_norm(u + v))
   has_direction = (x_norm > 0) & (y_norm > 0)
-  return jnp.mean(jnp.where(has_direction, angle, 0.0))
+  return jnp.where(has_direction, angle, 0.0)[..., 0]
+
+
+def angle_between(x_before: jax.Array, x_after: jax.Array) -> jax.Array:
+  """Mean angle (radians) between x_before and x_after over all tokens (`token_angles`)."""
+  return jnp.mean(token_angles(x_before, x_after))
+
+
+def max_angle_between(x_before: jax.Array, x_after: jax.Array) -> jax.Array:
+  """Largest angle (radians) between x_before and x_after over all tokens (`token_angles`)."""
+  return jnp.max(token_angles(x_before, x_after))
 
 
 # ---------------------------------------------------------------------------

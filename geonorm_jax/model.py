@@ -116,9 +116,17 @@ class Attention(nnx.Module):
     self.k_out_norm = _maybe(simple, lambda: _inner_norm(spec, kv_width, "kv"))
     self.v_out_norm = _maybe(simple, lambda: _inner_norm(spec, kv_width, "kv"))
     self.o_out_norm = _maybe(simple, lambda: _inner_norm(spec, d, "embed"))
+    # qk_norm, scope head: RMSNorm over each head's head_dim (a head_dim gain, always);
+    # scope full: over the whole projected q (width d) and k (num_kv_heads*head_dim) before the
+    # split into heads, a full-width gain iff norm_gain. Both before RoPE.
+    head_scope, full_scope = (spec.qk_norm and spec.qk_norm_scope == s for s in ("head", "full"))
     qk_norm = lambda: Norm(hd, kind="rmsnorm", axis_name="head_dim", eps=spec.norm_eps)
-    self.q_head_norm = _maybe(spec.qk_norm, qk_norm)
-    self.k_head_norm = _maybe(spec.qk_norm, qk_norm)
+    self.q_head_norm = _maybe(head_scope, qk_norm)
+    self.k_head_norm = _maybe(head_scope, qk_norm)
+    full_norm = lambda width, axis: Norm(width, kind="rmsnorm", axis_name=axis,
+                                         eps=spec.norm_eps, gain=spec.norm_gain)
+    self.q_norm = _maybe(full_scope, lambda: full_norm(q_width, "heads"))
+    self.k_norm = _maybe(full_scope, lambda: full_norm(kv_width, "kv"))
     # nGPT: q and k live on the unit sphere per head, rescaled by learnable s_q and s_k.
     self.s_q = _maybe(placement.is_ngpt, lambda: NgptScale(q_width, 1.0, d ** -0.5, "heads"))
     self.s_k = _maybe(placement.is_ngpt, lambda: NgptScale(kv_width, 1.0, d ** -0.5, "kv"))
@@ -137,8 +145,8 @@ class Attention(nnx.Module):
     spec = self.spec
     batch, length, _ = x_BxLxD.shape
     hd, heads, kv_heads = spec.head_dim, spec.num_heads, spec.num_kv_heads
-    q = _apply_optional(self.q_out_norm, self.q(x_BxLxD, perturb))
-    k = _apply_optional(self.k_out_norm, self.k(x_BxLxD, perturb))
+    q = _apply_optional(self.q_norm, _apply_optional(self.q_out_norm, self.q(x_BxLxD, perturb)))
+    k = _apply_optional(self.k_norm, _apply_optional(self.k_out_norm, self.k(x_BxLxD, perturb)))
     v = _apply_optional(self.v_out_norm, self.v(x_BxLxD, perturb))
     q_BxLxHxK = _apply_optional(self.q_head_norm, q.reshape(batch, length, heads, hd))
     k_BxLxGxK = _apply_optional(self.k_head_norm, k.reshape(batch, length, kv_heads, hd))
@@ -327,8 +335,10 @@ class Block(nnx.Module):
   def __call__(self, x_BxLxD, perturb=None):
     return self.apply(x_BxLxD, perturb)[0]
 
-  def apply(self, x_BxLxD, perturb=None, constants=None, cache=None, position=None):
-    """(x', the attention's LayerCache).
+  def apply(self, x_BxLxD, perturb=None, constants=None, cache=None, position=None,
+            with_midstream=False):
+    """(x', the attention's LayerCache); with_midstream: (x', cache, the stream between the
+    attention's and the MLP's residual updates).
 
     `perturb`: this block's taps, named without the `blocks.<i>.` prefix (`input`,
     `attn.q.in`, ...). `constants`: layer_constants of this block (the default; a scanned
@@ -348,9 +358,12 @@ class Block(nnx.Module):
 
     attn_norms = placements.SublayerNorms(self.attn_in_norm, self.attn_out_norm)
     x_BxLxD = update(x_BxLxD, attention, attn_norms, self._context(constants, "attn"))
+    mid_BxLxD = x_BxLxD
     mlp_norms = placements.SublayerNorms(self.mlp_in_norm, self.mlp_out_norm)
     x_BxLxD = update(x_BxLxD, lambda h: self.mlp(h, perturb), mlp_norms,
                      self._context(constants, "mlp"))
+    if with_midstream:
+      return constrain(x_BxLxD, _STREAM_AXES), caches[0], mid_BxLxD
     return constrain(x_BxLxD, _STREAM_AXES), caches[0]
 
 
@@ -491,19 +504,28 @@ class Transformer(nnx.Module):
     out_BxLxD, _, _ = self._run_blocks(self.embed_tokens(tokens_BxL), perturb=perturb)
     return out_BxLxD
 
-  def __call__(self, tokens_BxL, perturb=None, return_streams=False):
-    """Logits; with return_streams, also the residual stream entering each block and the last.
+  def __call__(self, tokens_BxL, perturb=None, return_streams=False,
+               return_sublayer_streams=False):
+    """Logits; with return_streams, also the residual stream entering each block and the last;
+    with return_sublayer_streams, (logits, those streams, the stream between block i's
+    attention and MLP updates at i), so that each sublayer's update can be measured apart.
 
     `perturb` {tap name: array} names block taps model-wide: `blocks.<i>.input`,
     `blocks.<i>.attn.q.in`, ... (layers.py).
     """
     x_BxLxD = self.embed_tokens(tokens_BxL)
-    out_BxLxD, streams, _ = self._run_blocks(x_BxLxD, perturb=perturb,
-                                             keep_streams=return_streams)
+    out_BxLxD, streams, _ = self._run_blocks(
+        x_BxLxD, perturb=perturb, keep_streams=return_streams or return_sublayer_streams,
+        keep_midstreams=return_sublayer_streams)
     logits_BxLxV = self.logits(out_BxLxD)
-    if not return_streams:
+    if not (return_streams or return_sublayer_streams):
       return logits_BxLxV
-    return logits_BxLxV, [x_BxLxD] + [streams[i] for i in range(self.spec.num_layers)]
+    layers = range(self.spec.num_layers)
+    if return_sublayer_streams:
+      midstreams, streams = streams
+      return (logits_BxLxV, [x_BxLxD] + [streams[i] for i in layers],
+              [midstreams[i] for i in layers])
+    return logits_BxLxV, [x_BxLxD] + [streams[i] for i in layers]
 
   def prefill(self, tokens_BxL):
     """(logits, caches) of a window at positions 0..L-1: caches holds every layer's keys and
@@ -529,22 +551,29 @@ class Transformer(nnx.Module):
     return nnx.merge(graphdef, jax.tree.map(lambda a: a[index], stacked))
 
   def _run_blocks(self, x_BxLxD, perturb=None, caches=None, position=None,
-                  keep_streams=False, keep_caches=False):
-    """(output, streams after each block or None, caches or None)."""
+                  keep_streams=False, keep_caches=False, keep_midstreams=False):
+    """(output, streams after each block or None, caches or None); with keep_midstreams the
+    streams are a pair (the streams between each block's two updates, those after it)."""
     if self.spec.scan_layers:
-      return self._scan_blocks(x_BxLxD, perturb, caches, position, keep_streams, keep_caches)
-    streams, new_caches = [], []
+      return self._scan_blocks(x_BxLxD, perturb, caches, position, keep_streams, keep_caches,
+                               keep_midstreams)
+    streams, midstreams, new_caches = [], [], []
     for index, block in enumerate(self.blocks):
-      run = lambda blk, x, taps, cache: blk.apply(x, taps, None, cache, position)
+      run = lambda blk, x, taps, cache: blk.apply(x, taps, None, cache, position,
+                                                  keep_midstreams)
       if self.spec.remat:
         run = nnx.remat(run)
-      x_BxLxD, layer_cache = run(block, x_BxLxD, _block_taps(perturb, index),
-                                 None if caches is None else caches[index])
+      x_BxLxD, layer_cache, *midstream = run(block, x_BxLxD, _block_taps(perturb, index),
+                                             None if caches is None else caches[index])
       streams.append(x_BxLxD)
+      midstreams.extend(midstream)
       new_caches.append(layer_cache)
+    if keep_midstreams:
+      streams = (midstreams, streams)
     return x_BxLxD, streams, new_caches if keep_caches else None
 
-  def _scan_blocks(self, x_BxLxD, perturb, caches, position, keep_streams, keep_caches):
+  def _scan_blocks(self, x_BxLxD, perturb, caches, position, keep_streams, keep_caches,
+                   keep_midstreams=False):
     spec = self.spec
     graphdef, stacked = nnx.split(self.blocks)
     constants_xs, rebuild = split_over_depth(
@@ -553,8 +582,10 @@ class Transformer(nnx.Module):
     def body(x, xs):
       params, constants, taps, cache = xs
       block = nnx.merge(graphdef, params)
-      x, layer_cache = block.apply(x, taps, rebuild(constants), cache, position)
-      return x, (x if keep_streams else None, layer_cache if keep_caches else None)
+      x, layer_cache, *midstream = block.apply(x, taps, rebuild(constants), cache, position,
+                                               keep_midstreams)
+      stream = (midstream[0], x) if keep_midstreams else x
+      return x, (stream if keep_streams else None, layer_cache if keep_caches else None)
 
     if spec.remat:
       body = jax.checkpoint(body)

@@ -169,6 +169,7 @@ def run_all(runs, jobs=1, cwd=None, env=None):
 PLACEMENT_VARIANTS = {
     "pre": "placement=pre",
     "pre_qknorm": "placement=pre,qk_norm=true",
+    "pre_qknorm_full": "placement=pre,qk_norm=true,qk_norm_scope=full",
     "post": "placement=post",
     "peri": "placement=peri",
     "peri_dt0.1": "placement=peri,dt=0.1",

@@ -227,20 +227,30 @@ def make_eval_step(setup):
 
 
 def make_stream_stats(setup):
-  """jit(params, tokens) -> per-layer residual RMS / mean |x|, the angle each block turns, and
-  the collapse diagnostics (collapse.py): token cosine, logit spread, DyT saturation.
+  """jit(params, tokens) -> per-layer residual RMS / mean |x|, the angle each block turns, the
+  angle each of its sublayers turns, and the collapse diagnostics (collapse.py): token cosine,
+  logit spread, DyT saturation.
 
+  `sublayer_angle/{attn,mlp}/layer_XX` (mean over tokens) and `sublayer_angle_max/...` (max)
+  are the angles between the stream before and after that sublayer's residual update; for
+  GeoNorm that is the geodesic angle taken, alpha_k |v|/|x| clamped by geo_theta_max (while
+  below pi: a longer step comes back round the circle).
   Measured on the first micro-batch only: a statistic, not a loss, so a sample suffices.
   """
   graphdef = setup.graphdef
 
   def stats(params, tokens_AxBxL1):
     model = nnx.merge(graphdef, params)
-    logits, streams = model(tokens_AxBxL1[0, :, :-1], return_streams=True)
+    logits, streams, midstreams = model(tokens_AxBxL1[0, :, :-1], return_sublayer_streams=True)
     out = metrics.residual_stats(streams)
     for index in range(len(streams) - 1):
       out[f"stream_angle/layer_{index:02d}"] = metrics.angle_between(streams[index],
                                                                       streams[index + 1])
+      for sublayer, before, after in (("attn", streams[index], midstreams[index]),
+                                      ("mlp", midstreams[index], streams[index + 1])):
+        angles = metrics.token_angles(before, after)
+        out[f"sublayer_angle/{sublayer}/layer_{index:02d}"] = jnp.mean(angles)
+        out[f"sublayer_angle_max/{sublayer}/layer_{index:02d}"] = jnp.max(angles)
     final_norm = model.final_norm
     head_input = streams[-1] if final_norm is None else final_norm(streams[-1])
     out["collapse/token_cosine"] = collapse.token_cosine(head_input)

@@ -133,9 +133,11 @@ def parse_args(experiment, argv=None):
   suffix = ("_quick" if args.quick else "") + ("" if args.scale == "judge" else "_" + args.scale)
   # The LR grid's runs are shared by the experiments: runs/claims/lr_grid/SCALE, or
   # ROOT/lr_grid under an explicit --root.
-  args.grid_root = (os.path.join(args.root, "lr_grid") if args.root else
-                    os.path.join("runs", "claims", "lr_grid", args.scale))
-  args.root = args.root or os.path.join("runs", "claims", experiment.NAME, args.scale)
+  # --quick runs have their own folders: same names, other configs (sweep.check_finished).
+  scale_dir = args.scale + ("_quick" if args.quick else "")
+  args.grid_root = (os.path.join(args.root, "lr_grid" + ("_quick" if args.quick else ""))
+                    if args.root else os.path.join("runs", "claims", "lr_grid", scale_dir))
+  args.root = args.root or os.path.join("runs", "claims", experiment.NAME, scale_dir)
   args.out = args.out or os.path.join(REPO, "results", experiment.NAME + suffix)
   return args
 
@@ -362,6 +364,10 @@ def report(out_dir):
   if summary.verdict not in VERDICTS:
     raise ValueError(f"{config['experiment']}: verdict {summary.verdict!r} is not one of "
                      f"{VERDICTS}")
+  if config["args"].get("quick"):  # a smoke run decides nothing, whatever its numbers say
+    summary.result = (f"--quick smoke run, not a verdict (the rule read "
+                      f"'{summary.verdict}'): {summary.result}")
+    summary.verdict = "unresolved"
   seeds = sorted({row["seed"] for row in rows})
   steps = sorted({row["steps"] for row in rows if row["steps"]})
   quick = (" With --quick (a cut grid; the script's docstring says what is cut); steps per run: "
@@ -435,19 +441,6 @@ def fmt(x, digits=3):
   text = f"{mean:.{digits}f}" + (f" +- {std:.{digits}f}" if math.isfinite(std) else "")
   text += f" ({n} seed{'s' if n != 1 else ''}"
   return text + (f", {bad} non-finite)" if bad else ")")
-
-
-def compare(a, b):
-  """'lower' / 'higher' when mean(a) - mean(b) exceeds twice its standard error (Welch),
-  else 'unresolved' (also with fewer than two finite values on either side)."""
-  (ma, sa, _), (mb, sb, _) = mean_spread(a), mean_spread(b)
-  na, nb = int(np.sum(np.isfinite(a))), int(np.sum(np.isfinite(b)))
-  if na < 2 or nb < 2:
-    return "unresolved"
-  error = math.sqrt(sa ** 2 / na + sb ** 2 / nb)
-  if abs(ma - mb) <= 2 * error:
-    return "unresolved"
-  return "lower" if ma < mb else "higher"
 
 
 @dataclasses.dataclass(frozen=True)

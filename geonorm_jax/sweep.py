@@ -144,7 +144,10 @@ def run_all(runs, jobs=1, cwd=None, env=None):
       os.makedirs(os.path.join(cwd or ".", run.workdir), exist_ok=True)
       log = open(os.path.join(cwd or ".", run.workdir, "train.log"), "w")
       slot = free_slots.pop(0)
-      pin = None if groups is None else (lambda cores=groups[slot]: os.sched_setaffinity(0, cores))
+      # The sweep's last run, alone on the machine, gets every core.
+      alone = not pending and not active
+      pin = (None if groups is None or alone else
+             (lambda cores=groups[slot]: os.sched_setaffinity(0, cores)))
       process = subprocess.Popen(run.command(), cwd=cwd, env=env, stdout=log,
                                  stderr=subprocess.STDOUT, preexec_fn=pin)
       active.append((run, process, log, slot))

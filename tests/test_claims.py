@@ -25,21 +25,27 @@ TINY = ("steps=3,warmup_steps=1,eval_batches=1,eval_every=3,checkpoint.every=3,"
 # The smallest grid of each experiment (one train run, one seed; depth_growth adds its init
 # measurement), and its figures.
 SMALLEST = {
-    "norm_zoo": (["--variants=geonorm"], ["loss_curves.png"]),
+    # The LR protocol at its smallest: three grid LRs on the selection seed, no extension,
+    # then the final seed at the best.
+    "norm_zoo": (["--variants=geonorm", "--lrs=1e-3,2e-3,4e-3", "--max_extensions=0"],
+                 ["loss_curves.png", "final_loss.png", "loss_vs_lr.png"]),
     "geonorm_decay": (["--schedules=harmonic", "--alphas=1", "--counters=sublayers"],
                       ["loss_vs_alpha.png"]),
     "seq_length": (["--variants=post", "--seq_lens=64"],
                    ["spikes_vs_length.png", "loss_curves_longest.png"]),
     "update_balance": (["--variants=pre"], ["per_layer.png", "first_last_over_training.png"]),
-    "lr_tolerance": (["--variants=simplenorm", "--lrs=1e-3"], ["loss_vs_lr.png"]),
+    "lr_tolerance": (["--variants=simplenorm", "--lrs=1e-3", "--max_extensions=0"],
+                     ["loss_vs_lr.png"]),
     "depth_growth": (["--variants=pre", "--depths=2", "--trained_depths=2"],
                      ["rms_per_block.png"]),
     "residual_step": (["--variants=peri", "--dts=0.1"], ["loss_vs_dt.png"]),
     "divergence_trials": (["--variants=pre", "--weight_decays=0"], ["loss_curves.png"]),
 }
-LABELS = {"norm_zoo": ["variant"], "geonorm_decay": ["schedule", "alpha", "counter"],
+# Rows of the smallest settings, when not one (a tuned one: selection and final runs).
+RUNS = {"depth_growth": 2, "norm_zoo": 4, "lr_tolerance": 2}
+LABELS = {"norm_zoo": ["variant", "lr", "stage"], "geonorm_decay": ["schedule", "alpha", "counter"],
           "seq_length": ["variant", "seq_len"], "update_balance": ["variant"],
-          "lr_tolerance": ["variant", "lr"], "depth_growth": ["phase", "variant", "depth"],
+          "lr_tolerance": ["variant", "lr", "stage"], "depth_growth": ["phase", "variant", "depth"],
           "residual_step": ["variant", "dt"], "divergence_trials": ["variant", "weight_decay"]}
 
 
@@ -55,14 +61,6 @@ def test_fmt_reports_mean_sample_std_and_seed_count():
   assert claims.fmt([1.0, 3.0]) == f"2.000 +- {np.std([1.0, 3.0], ddof=1):.3f} (2 seeds)"
   assert claims.fmt([2.5]) == "2.500 (1 seed)"
   assert claims.fmt([1.0, float("nan"), 3.0]).endswith("(3 seeds, 1 non-finite)")
-
-
-def test_compare_needs_twice_the_standard_error():
-  a, b = [1.0, 1.1, 0.9], [2.0, 2.1, 1.9]
-  assert claims.compare(a, b) == "lower" and claims.compare(b, a) == "higher"
-  # Means 0.1 apart, standard error of the difference sqrt(2 * 0.1^2 / 3) = 0.082: < 2x.
-  assert claims.compare([1.0, 1.1, 0.9], [1.1, 1.2, 1.0]) == "unresolved"
-  assert claims.compare([1.0], [5.0, 5.1]) == "unresolved"  # one seed: no spread to judge by
 
 
 def test_diverged_is_a_nonfinite_step_or_a_loss_above_its_first_after_warmup():
@@ -87,45 +85,49 @@ def test_growth_law_fits():
   assert fit_law([1.0, float("nan")])[0] == "non-finite"
 
 
-def test_largest_stable_lr_needs_every_seed_stable():
-  lr_tolerance = load("lr_tolerance")
-  rows, curves = [], []
-  for name, lr, seed, final in [("pre", 1e-3, 0, 2.0), ("pre", 1e-2, 0, 2.0),
-                                ("pre", 1e-2, 1, 3.3), ("simplenorm", 1e-2, 0, 2.0),
-                                ("simplenorm", 3e-2, 0, 2.1)]:
-    run = f"{name}/{lr}/{seed}"
-    rows.append({"name": run, "variant": name, "lr": lr, "seed": seed, "steps": 10,
-                 "skipped_steps": 0, "final_train_loss": final, "final_eval_loss": final})
-    curves += [{"name": run, "split": "train", "key": "loss", "step": s, "value": 5.0 - s / 10}
-               for s in range(1, 11)]
-  assert lr_tolerance.largest_stable(rows, curves, max_loss=3.0) == {"pre": 1e-3,
-                                                                     "simplenorm": 3e-2}
+def test_lr_tolerance_is_the_largest_lr_within_the_margin_of_the_optimum():
+  tolerance = load("lr_tolerance").tolerance
+  grid = {1e-3: 2.0, 2e-3: 1.9, 4e-3: 1.92, 8e-3: 1.97, 1.6e-2: 2.3}
+  t = tolerance(grid, sigma=0.0, df=2)  # no seed noise: 4e-3 is 0.02 above, 8e-3 0.07
+  assert (t.optimum.x, t.low, t.high) == (2e-3, 4e-3, 4e-3)
+  # Within again past a loss outside the margin does not count: the loss must stay within.
+  t = tolerance({**grid, 8e-3: 2.5, 1.6e-2: 1.91, 3.2e-2: 1.91}, sigma=0.0, df=2)
+  assert (t.low, t.high) == (4e-3, 4e-3)
+  # Seed noise: half-width t(0.975, 2) x 0.01 x sqrt(2) = 0.061 leaves 4e-3 and 8e-3 undecided.
+  t = tolerance(grid, sigma=0.01, df=2)
+  assert t.half_width == pytest.approx(4.302653 * 0.01 * math.sqrt(2), rel=1e-6)
+  assert (t.low, t.high) == (2e-3, 8e-3)
+  # Nothing above the optimum surely outside: the tolerance may go past the grid.
+  assert tolerance({1e-3: 2.0, 2e-3: 1.9, 4e-3: 1.92}, sigma=0.0, df=2).high == math.inf
+  # A diverged (non-finite) run is outside whatever the noise; no spread: nothing is within.
+  t = tolerance({1e-3: 2.0, 2e-3: 1.9, 4e-3: float("nan")}, sigma=float("nan"), df=0)
+  assert (t.low, t.high) == (2e-3, 2e-3)
 
 
-def test_lr_tolerance_counts_one_half_decade_step_as_3x():
-  """SimpleNorm stable at 0.3 and Pre-LN at 0.1 is the claim's 3x, though 0.3 / 0.1 < 3 in
-  binary floating point; at 0.1 each it is not."""
-  lr_tolerance = load("lr_tolerance")
-  for simplenorm_best, expected in ((0.3, "reproduced"), (0.1, "not at this scale")):
-    rows, curves = [], []
-    for name, lr in [("pre", 0.1), ("pre", 0.3), ("pre", 1.0), ("simplenorm", 0.1),
-                     ("simplenorm", 0.3), ("simplenorm", 1.0)]:
-      best = 0.1 if name == "pre" else simplenorm_best
-      final = 2.0 if lr <= best else 3.5
-      run = f"{name}/{lr}"
-      rows.append({"name": run, "variant": name, "lr": lr, "seed": 0, "steps": 10,
-                   "skipped_steps": 0, "final_train_loss": final, "final_eval_loss": final})
-      curves += [{"name": run, "split": "train", "key": "loss", "step": s,
-                  "value": 5.0 - s / 10} for s in range(1, 11)]
-    summary = lr_tolerance.summarize(rows, curves, {"args": {"max_loss": 3.0},
-                                                    "scale": "cpu"})
-    assert summary.verdict == expected, summary.result
+def test_lr_tolerance_shares_the_norm_zoo_lr_grid_runs():
+  """Its grid is the norm zoo's continued by doubling to about 0.5; the norm zoo's variants
+  are the same runs in the same shared folder, and its LLaMA-backbone ones never collide."""
+  zoo, tolerance = load("norm_zoo"), load("lr_tolerance")
+  lrs = [float(x) for x in tolerance.TUNED_LRS["judge"].split(",")]
+  zoo_lrs = [float(x) for x in zoo.TUNED_LRS["judge"].split(",")]
+  assert lrs[:len(zoo_lrs)] == zoo_lrs and 0.4 <= lrs[-1] <= 0.6
+  assert all(b == pytest.approx(2 * a) for a, b in zip(lrs, lrs[1:]))
+  zoo_runs = {r.name: r for r in claims.make_runs(zoo, claims.parse_args(
+      zoo, ["--variants=pre,simplenorm"]))}
+  runs = {r.name: r for r in claims.make_runs(tolerance, claims.parse_args(
+      tolerance, ["--variants=pre,simplenorm," + ",".join(tolerance.DECIDING)]))}
+  assert set(zoo_runs) <= set(runs) and all(runs[n] == zoo_runs[n] for n in zoo_runs)
+  for name, run in runs.items():  # the deciding variants: the LLaMA backbone, their own names
+    variant = name.split("/")[0]
+    llama = variant in tolerance.DECIDING
+    assert run.config().model.backbone == ("llama" if llama else "gpt2"), name
+    assert llama != (variant in sweep.PLACEMENT_VARIANTS), name
 
 
 def test_every_grid_has_unique_runs_and_the_cli_train_command():
   for name in EXPERIMENTS:
     module = load(name)
-    for scale in ("cpu", "paper"):
+    for scale in module.SCALES:
       args = claims.parse_args(module, [f"--scale={scale}"])
       runs = claims.make_runs(module, args)
       assert runs and len({r.name for r in runs}) == len(runs), (name, scale)
@@ -133,7 +135,8 @@ def test_every_grid_has_unique_runs_and_the_cli_train_command():
       assert runs[0].command()[2:4] == ["geonorm_jax", "train"]
     quick = claims.make_runs(module, claims.parse_args(module, ["--quick"]))
     assert len(quick) <= len(claims.make_runs(module, claims.parse_args(module, []))), name
-    assert {r.seed for r in quick} <= {0}, name
+    # A tuned experiment's quick runs: the one grid LR on the selection seed (final seed 0).
+    assert {r.seed for r in quick} <= {0, claims.SELECTION_SEED}, name
 
 
 # ---------------------------------------------------------------------------
@@ -202,7 +205,7 @@ def results(tmp_path_factory):
 def test_experiment_writes_its_files_and_columns(results, name):
   folder = results[name]
   rows = claims.read_csv(folder / "results.csv")
-  assert len(rows) == (2 if name == "depth_growth" else 1)
+  assert len(rows) == RUNS.get(name, 1)
   for column in LABELS[name] + ["name", "seed", "params", "final_eval_loss", "step_time_s",
                                 "loss_spikes", "skipped_steps"]:
     assert column in rows[0], column
@@ -211,14 +214,16 @@ def test_experiment_writes_its_files_and_columns(results, name):
   assert curves and set(curves[0]) == {"name", "split", "key", "step", "value"}
   assert {c["name"] for c in curves} == {row["name"] for row in rows}
   config = json.loads((folder / "config.json").read_text())
-  assert config["experiment"] == name and config["scale"] == "cpu"
+  assert config["experiment"] == name and config["scale"] == "judge"
   trained = {row["name"] for row in rows if row["steps"]}  # depth_growth's init has none
-  assert set(config["runs"]) == trained and len(trained) == 1
+  assert set(config["runs"]) == trained and len(trained) == len(rows) - (name == "depth_growth")
   assert config["command"].startswith(f"python experiments/{name}.py ")
   table = (folder / "table.md").read_text()
-  assert f"Seeds: 0 ({len(rows)} finished runs)" in table and "**Verdict:" in table
+  seeds = sorted({row["seed"] for row in rows})
+  assert f"Seeds: {', '.join(map(str, seeds))} ({len(rows)} finished runs)" in table
+  assert "**Verdict:" in table
   verdict = json.loads((folder / "verdict.json").read_text())
-  assert verdict["verdict"] in claims.VERDICTS and verdict["seeds"] == 1
+  assert verdict["verdict"] in claims.VERDICTS and verdict["seeds"] == len(seeds)
   for figure in SMALLEST[name][1]:
     assert (folder / figure).stat().st_size > 5000, figure
 
@@ -262,4 +267,4 @@ def test_print_emits_one_train_command_per_run():
   module = load("residual_step")
   runs = claims.make_runs(module, claims.parse_args(module, ["--seeds=0,1"]))
   assert [shlex.split(line) for line in out] == [r.command(python="python") for r in runs]
-  assert len(out) == 2 * 6 * 2  # placements x dt x seeds
+  assert len(out) == 2 * len(module.DTS.split(",")) * 2  # placements x dt x seeds

@@ -98,3 +98,60 @@ def test_core_groups_split_the_cores_between_jobs():
   assert sweep.core_groups(2, [0, 1]) == [{0}, {1}]
   assert sweep.core_groups(2, [0, 1, 2, 3]) == [{0, 1}, {2, 3}]
   assert sweep.core_groups(1, [0, 1]) is None and sweep.core_groups(3, [0, 1]) is None
+
+
+# ---------------------------------------------------------------------------
+# norm_zoo's rule on constructed results (tuned rows: a 3-LR grid on the selection seed, then
+# three final seeds at the best LR).
+# ---------------------------------------------------------------------------
+
+def _zoo_rows(final_losses, edge=()):
+  """final_losses: {variant: [loss per seed 0, 1, 2]}; variants in `edge` have their best
+  grid LR on the grid's edge."""
+  rows = []
+  for variant, losses in final_losses.items():
+    grid = {1e-3: 2.0, 2e-3: 1.8, 4e-3: 1.9} if variant not in edge else \
+        {1e-3: 2.0, 2e-3: 1.9, 4e-3: 1.8}
+    for lr, loss in grid.items():
+      rows.append(dict(variant=variant, lr=lr, stage="select", seed=100, final_eval_loss=loss,
+                       name=f"{variant}/lr{lr:g}/seed100", step_time_s=0.1))
+    best = 4e-3 if variant in edge else 2e-3
+    for seed, loss in enumerate(losses):
+      rows.append(dict(variant=variant, lr=best, stage="final", seed=seed, final_eval_loss=loss,
+                       name=f"{variant}/lr{best:g}/seed{seed}", step_time_s=0.1))
+  return rows
+
+
+BASE = {"pre": [1.60, 1.62, 1.61], "post": [1.65, 1.66, 1.64], "peri": [1.61, 1.63, 1.62],
+        "deepnorm": [1.70, 1.71, 1.69]}
+CONFIG = {"scale": "judge", "experiment": "norm_zoo", "args": {}}
+
+
+@pytest.mark.parametrize("geonorm,edge,expected", [
+    ([1.55, 1.57, 1.56], (), "reproduced"),  # 0.05 below the best baseline on every seed
+    ([1.65, 1.67, 1.66], (), "not at this scale"),  # above pre and peri on every seed
+    ([1.50, 1.70, 1.58], (), "unresolved"),  # below on average, but noisy
+    ([1.55, 1.57, 1.56], ("pre",), "unresolved"),  # pre's tuned LR is on the grid's edge
+])
+def test_norm_zoo_rule(geonorm, edge, expected):
+  zoo = claims.load_experiment("norm_zoo")
+  summary = zoo.summarize(_zoo_rows({**BASE, "geonorm": geonorm}, edge), [], CONFIG)
+  assert summary.verdict == expected, summary.result
+  if edge:
+    assert "optimum at the grid edge" in summary.result
+
+
+def test_a_quick_run_is_never_a_verdict(tmp_path):
+  rows = _zoo_rows({**BASE, "geonorm": [1.55, 1.57, 1.56]})
+  sweep.write_csv(tmp_path / "results.csv", rows)
+  sweep.write_csv(tmp_path / "curves.csv", [{"name": rows[0]["name"], "split": "eval",
+                                             "key": "loss", "step": 1, "value": 2.0}])
+  for row in rows:
+    row["steps"] = 10
+  sweep.write_csv(tmp_path / "results.csv", rows)
+  (tmp_path / "config.json").write_text(json.dumps(dict(
+      CONFIG, claim="c", command="python experiments/norm_zoo.py --quick", scale_note="n",
+      args={"quick": True})))
+  summary = claims.report(str(tmp_path))
+  assert summary.verdict == "unresolved" and "not a verdict" in summary.result
+  assert "reproduced" in summary.result  # what the rule read is still shown

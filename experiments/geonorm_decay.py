@@ -1,14 +1,16 @@
 """GeoNorm decay: is the harmonic step size alpha/k the best schedule over depth?
 
   python experiments/geonorm_decay.py [--scale=judge|paper] [--seeds=0,1,2] [--quick]
-      [--schedules=...] [--alphas=0.5,1,2,4,8] [--counters=blocks] [--lr=1e-3] [--jobs=N]
+      [--schedules=...] [--alphas=1,4,16,32,64] [--counters=blocks] [--lr=1e-3] [--jobs=N]
       [--print]
 
 Grid: geo_schedule in {constant, harmonic (alpha/k), sqrt (alpha/sqrt k), linear
 (alpha (T-k+1)/T), linear_paper (alpha (T-k)/T)} x geo_alpha x geo_counter (k counts blocks;
---counters=blocks,sublayers adds k over the 2T sublayers). The alpha grid runs upward from 0.5
-to 8 so that each schedule's best alpha can be interior: on the 300-step runs this grid
-replaced, every schedule's best was alpha 2, then the grid's largest.
+--counters=blocks,sublayers adds k over the 2T sublayers). The alpha grid runs from 1 to 64 so
+that each schedule's best alpha can be interior: on the 300-step runs this grid replaced, every
+schedule's best was alpha 2, then the grid's largest; and at initialisation GeoNorm turns the
+stream by alpha x (a few thousandths of a radian) per sublayer, so that only alpha near 32
+turns the first block's sublayers as far as Pre-LN's do (results/init_angles/table.md).
 Every run trains at one stated peak LR (LR below, --lr): tuning the LR of each of the 25
 cells is unaffordable here, so LR is to be set from the norm zoo's tuned LR for the base
 placement, GeoNorm harmonic alpha 1 (results/norm_zoo/table.md); until that table is on the
@@ -56,7 +58,7 @@ SCALES = {
 }
 CURVES = (("train", "loss"), ("eval", "loss"))
 SCHEDULES = ("constant", "harmonic", "sqrt", "linear", "linear_paper")
-ALPHAS = "0.5,1,2,4,8"
+ALPHAS = "1,4,16,32,64"
 
 
 def add_arguments(parser):

@@ -65,10 +65,12 @@ SCALES = {
                           "character-level tinyshakespeare, 2000 steps x 16 x 128 tokens, "
                           "cosine to 0.1x (configs/judge.py); an LR grid per variant."),
     "paper": claims.Scale("configs/llama.py",
-                          "llama2_1b,steps=20000,warmup_steps=2000,on_divergence=skip",
+                          "llama2_1b,steps=20000,warmup_steps=200,schedule=linear,"
+                          "min_lr_ratio=0,weight_decay_scope=all,on_divergence=skip",
                           "0,1,2", "LLaMA-2 1B (18 x 2048), seq 4096, 20k steps x 1024 x 4096 "
-                          "tokens (configs/llama.py; SimpleGPT's 1B ran 60k steps); an LR grid "
-                          "per variant."),
+                          "tokens (configs/llama.py; SimpleGPT's 1B ran 60k steps) with "
+                          "SimpleGPT's optimizer recipe: a 1% warmup, linear decay to 0, "
+                          "weight decay on every parameter; an LR grid per variant."),
 }
 PAPER_PREFIX = "llama2_1b/"
 CURVES = (("train", "loss"), ("eval", "loss"))

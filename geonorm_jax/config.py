@@ -77,7 +77,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   train.steps = 200
   train.grad_accum = 1  # micro-batches per step, accumulated inside the jitted step
   train.lr = 1e-3
-  train.schedule = "cosine"  # cosine | wsd | constant
+  train.schedule = "cosine"  # cosine | wsd | linear | constant
   train.warmup_steps = 20
   train.decay_fraction = 0.2  # wsd: fraction of steps in the final decay
   train.min_lr_ratio = 0.1
@@ -86,6 +86,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   train.eps = 1e-8
   train.weight_decay = 0.1
   train.decay_embeddings = False
+  train.weight_decay_scope = "matrices"  # matrices (see optim._decays) | all parameters
   train.clip_norm = 1.0
   train.lr_multipliers = ""  # "regex=mult,regex=mult" per-parameter-group LR multipliers
   train.eval_every = 100

@@ -8,11 +8,13 @@ import optax
 
 from geonorm_jax import paths
 
-SCHEDULES = ("cosine", "wsd", "constant")
+SCHEDULES = ("cosine", "wsd", "linear", "constant")
+DECAY_SCOPES = ("matrices", "all")
 
 
 def learning_rate_schedule(train_config):
-  """Linear warmup, then cosine to min_lr_ratio*lr, warmup-stable-decay, or constant.
+  """Linear warmup, then cosine to min_lr_ratio*lr, warmup-stable-decay, a straight line to
+  min_lr_ratio*lr (SimpleGPT's schedule, with min_lr_ratio 0), or constant.
 
   Warmup gives update t (0-based) the rate lr (t+1)/W, as nanoGPT does: the first update
   already moves (a warmup from 0 would spend the first step on nothing).
@@ -33,17 +35,21 @@ def learning_rate_schedule(train_config):
     stable = max(remaining - decay_steps, 0)
     after = optax.join_schedules(
         [optax.constant_schedule(c.lr), optax.linear_schedule(c.lr, floor, decay_steps)], [stable])
+  elif c.schedule == "linear":
+    after = optax.linear_schedule(c.lr, floor, remaining)
   else:
     after = optax.constant_schedule(c.lr)
   return optax.join_schedules([warmup, after], [c.warmup_steps])
 
 
-def _decays(path, decay_embeddings):
-  """Weight decay on the block matrices; never on gains, biases, DyT/nGPT scales.
-
-  The vocabulary matrices (embedding, positions and an untied head) follow decay_embeddings,
-  so a tied and an untied model get the same decay on them.
+def _decays(path, decay_embeddings, scope="matrices"):
+  """scope matrices: weight decay on the block matrices; never on gains, biases, DyT/nGPT
+  scales; the vocabulary matrices (embedding, positions and an untied head) follow
+  decay_embeddings, so a tied and an untied model get the same decay on them.
+  scope all: on every parameter (SimpleGPT's recipe).
   """
+  if scope == "all":
+    return True
   last = path.split(".")[-1]
   if last in ("embed", "positions", "head"):
     return decay_embeddings
@@ -99,7 +105,11 @@ def make_optimizer(train_config, params, weight_decay=True):
     if getattr(c, field) <= 0:
       raise ValueError(f"train.{field}={getattr(c, field)} must be positive")
   schedule = learning_rate_schedule(c)
-  decay_mask = _leaf_map(lambda path: _decays(path, c.decay_embeddings), params)
+  if c.weight_decay_scope not in DECAY_SCOPES:
+    raise ValueError(f"train.weight_decay_scope={c.weight_decay_scope!r} is unknown; valid: "
+                     f"{', '.join(DECAY_SCOPES)}")
+  decay_mask = _leaf_map(lambda path: _decays(path, c.decay_embeddings, c.weight_decay_scope),
+                         params)
   parts = []
   if c.clip_norm > 0:
     parts.append(optax.clip_by_global_norm(c.clip_norm))

@@ -70,6 +70,23 @@ def test_schedules():
   wsd = optim.learning_rate_schedule(config.train)
   assert float(wsd(50)) == pytest.approx(1.0) and float(wsd(80)) == pytest.approx(1.0)
   assert float(wsd(90)) == pytest.approx(0.55) and float(wsd(100)) == pytest.approx(0.1)
+  config.train.schedule, config.train.min_lr_ratio = "linear", 0.0  # SimpleGPT's: to zero
+  linear = optim.learning_rate_schedule(config.train)
+  assert float(linear(10)) == pytest.approx(1.0) and float(linear(55)) == pytest.approx(0.5)
+  assert float(linear(100)) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_weight_decay_scope_all_decays_every_parameter():
+  config = config_lib.get_config(SMALL)
+  setup = train.make_setup(config, jax.devices()[:1])
+  params = train.init_state(setup)["params"]
+  masks = {scope: [bool(m) for m in jax.tree.leaves(optim._leaf_map(
+      lambda path, scope=scope: optim._decays(path, False, scope), params))]
+      for scope in optim.DECAY_SCOPES}
+  assert all(masks["all"]) and not all(masks["matrices"]) and any(masks["matrices"])
+  config.train.weight_decay_scope = "some"
+  with pytest.raises(ValueError, match="train.weight_decay_scope"):
+    optim.make_optimizer(config.train, params)
 
 
 def test_weight_decay_mask_and_lr_multipliers():
@@ -119,7 +136,7 @@ def test_paper_sizes_lower_on_a_sharded_mesh(size, mesh):
     ("seq_len=64", "data.seq_len"),
     ("grad_accum=3", "data.batch_size"),
     ("grad_accum=4,mesh.data=8", "micro-batches of 4"),
-    ("schedule=linear", "train.schedule"),
+    ("schedule=step", "train.schedule"),
     ("mesh.data=3", "mesh"),
     ("mesh.rules=embed=pipeline", "mesh.rules"),
     ("lr_multipliers=(=2", "train.lr_multipliers"),

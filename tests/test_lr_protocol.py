@@ -141,6 +141,14 @@ def test_norm_zoo_rule(geonorm, edge, expected):
     assert "optimum at the grid edge" in summary.result
 
 
+def test_norm_zoo_waits_for_every_baseline():
+  """GeoNorm clearly above Pre-LN, the other baselines not run: Holm's family is all four."""
+  zoo = claims.load_experiment("norm_zoo")
+  rows = _zoo_rows({"pre": BASE["pre"], "geonorm": [1.75, 1.74, 1.79]})
+  summary = zoo.summarize(rows, [], CONFIG)
+  assert summary.verdict == "unresolved" and "post, deepnorm, peri pending" in summary.result
+
+
 def test_a_quick_run_is_never_a_verdict(tmp_path):
   rows = _zoo_rows({**BASE, "geonorm": [1.55, 1.57, 1.56]})
   sweep.write_csv(tmp_path / "results.csv", rows)

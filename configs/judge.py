@@ -15,9 +15,8 @@ its GPU recipe with a 10.7M model 1.47), Pre-LN ends at validation loss 1.646 +-
 where it ends.
 ARG is a geonorm_jax.config preset string, e.g. "placement=peri,lr=3e-3". The peak LR here is
 only a default: claim experiments tune it per placement (claims.tune_lr).
-Runtime: about 5 minutes of training on a quiet 2-core x86_64 CPU (~140 ms a step); two runs at
-once, one core each, take about 9.5 minutes each (~290 ms a step), so a sweep costs about 4.8
-minutes a run either way.
+Runtime: about 8 minutes a run with two runs sharing the 2-core machine (Pre-LN: 241 ms a step,
+results/norm_zoo/table.md), so a sweep costs about 4 minutes a run.
 """
 from geonorm_jax import config as config_lib
 

@@ -167,9 +167,9 @@ def make_runs(experiment, args):
   grid (the final runs depend on their results: run_tuned)."""
   scale = experiment.SCALES[args.scale]
   if hasattr(experiment, "TUNED_LRS"):
-    return _checked(experiment, [
-        _make_run(args, scale, v, args.selection_seed, args.grid_root, lr, "select")
-        for v in experiment.grid(args, scale) for lr in starting_lrs(experiment, args)])
+    variants = experiment.grid(args, scale)
+    return _selection_runs(experiment, args, variants,
+                           {v.name: starting_lrs(experiment, args) for v in variants})
   return _checked(experiment, [_make_run(args, scale, v, seed, args.root)
                                for v in experiment.grid(args, scale) for seed in args.seed_list])
 
@@ -182,6 +182,20 @@ def starting_lrs(experiment, args):
     raise SystemExit(f"--lrs: {text!r} is not a comma list of numbers") from None
 
 
+def _selection_runs(experiment, args, variants, grids):
+  """The selection seed's run of every variant at every LR of its grid ({name: [lr]})."""
+  scale = experiment.SCALES[args.scale]
+  return _checked(experiment, [
+      _make_run(args, scale, v, args.selection_seed, args.grid_root, lr, "select")
+      for v in variants for lr in grids[v.name]])
+
+
+def _rows(runs):
+  """The labels, name and final loss of each run (NaN while unfinished): what tuned_lrs reads."""
+  return [dict(r.labels, name=r.name, final_eval_loss=(r.summary() or {}).get(
+      "final_eval_loss", float("nan"))) for r in runs]
+
+
 def run_tuned(experiment, args):
   """The learning-rate protocol (module docstring): selection grid, extended until each
   variant's optimum is interior, then the final seeds at each variant's best LR."""
@@ -189,22 +203,18 @@ def run_tuned(experiment, args):
   variants = experiment.grid(args, scale)
   grids = {v.name: starting_lrs(experiment, args) for v in variants}
   extensions = {v.name: 0 for v in variants}
-
-  def selection_runs():
-    return _checked(experiment, [
-        _make_run(args, scale, v, args.selection_seed, args.grid_root, lr, "select")
-        for v in variants for lr in grids[v.name]])
-
   while True:
-    runs = selection_runs()
+    runs = _selection_runs(experiment, args, variants, grids)
     sweep.execute(args, runs)  # exits after --print: the final runs need these results
+    rows = _rows(runs)
+    optima = tuned_lrs(rows)
     extended = False
     for v in variants:
-      losses = {dict(r.labels)["lr"]: (r.summary() or {}).get("final_eval_loss", float("nan"))
-                for r in runs if tuned_variant(r.name) == v.name}
-      optimum = grid_optimum(sorted(losses), [losses[lr] for lr in sorted(losses)])
+      optimum = optima[v.name]
+      unfinished = any(math.isnan(row["final_eval_loss"]) for row in rows
+                       if tuned_variant(row["name"]) == v.name)
       if (args.report_only or not optimum.at_edge or extensions[v.name] >= args.max_extensions
-          or any(math.isnan(x) for x in losses.values())):
+          or unfinished):
         continue
       lrs = grids[v.name]
       grids[v.name] = sorted(lrs + [lrs[0] / 2 if optimum.x == lrs[0] else lrs[-1] * 2])
@@ -214,13 +224,9 @@ def run_tuned(experiment, args):
             f"adding {(set(grids[v.name]) - set(lrs)).pop():g}", flush=True)
     if not extended:
       break
-  rows = [dict(r.labels, name=r.name, final_eval_loss=(r.summary() or {}).get(
-      "final_eval_loss", float("nan"))) for r in runs]
-  best = tuned_lrs(rows)
   final = _checked(experiment, [
-      _make_run(args, scale, v, seed, args.root, best[v.name].x, "final")
-      for v in variants if v.name in best and best[v.name].x is not None
-      for seed in args.seed_list])
+      _make_run(args, scale, v, seed, args.root, optima[v.name].x, "final")
+      for v in variants if optima[v.name].x is not None for seed in args.seed_list])
   sweep.execute(args, final)
   return runs + final
 

@@ -6,7 +6,7 @@
     python -m geonorm_jax train --config=configs/geonorm_paper.py:125m,placement=pre \\
         --workdir=runs/pre_125m --config.data.path=...
 
-ARG is SIZE[,key=value,...] with SIZE 125m or 1.3b; the rest are geonorm_jax.config presets
+ARG is SIZE[,key=value,...] with SIZE 125m or 1.3b; the rest are geonorm_jax.training.config presets
 (placement=pre for the baseline, geo_schedule=sqrt, ...) and win over the recipe below.
 Model (paper / authors' code): RoPE, untied head, placement geonorm with the harmonic
 schedule (the update as implemented: docs/placements.md). Optimizer (the authors' recipe,
@@ -21,7 +21,7 @@ Expected result: not measured here (needs an accelerator pod); the GeoNorm paper
 (Arxiv) and 3.4040 (Books3) validation loss at 125M, 3.1759 vs Pre-Norm 3.2067 at 1.3B, on data
 this recipe does not have.
 """
-from geonorm_jax import config as config_lib
+from geonorm_jax.training import config as config_lib
 
 SIZES = ("125m", "1.3b")
 _RECIPE = ("geo_schedule=harmonic,data.source=fineweb_bin,data.tokenizer=gpt2,"

@@ -7,7 +7,7 @@
         --config.data.val_path=owt/val.bin
 
 ARG is SIZE[,key=value,...] with SIZE one of 124m, 350m, 774m, 1.5b; the other items are
-geonorm_jax.config presets (placement=peri, lr=3e-4, ...) and win over the recipe below.
+geonorm_jax.training.config presets (placement=peri, lr=3e-4, ...) and win over the recipe below.
 Data: nanoGPT's `data/openwebtext/prepare.py` output (GPT-2 BPE, uint16, no header).
 Recipe: nanoGPT's GPT-2 reproduction (AdamW 0.9/0.95, lr 6e-4 cosine to 6e-5, 2000 warmup
 steps, wd 0.1, clip 1.0, ~0.5M tokens per step = 480 x 1024, 600k steps). Use
@@ -17,7 +17,7 @@ Runtime: an accelerator job (a 2-core CPU cannot train it).
 Expected result: nanoGPT reaches about 2.85 validation loss on OpenWebText at 124M (its README;
 not measured here).
 """
-from geonorm_jax import config as config_lib
+from geonorm_jax.training import config as config_lib
 
 SIZES = ("124m", "350m", "774m", "1.5b")
 _RECIPE = ("data.source=nanogpt_bin,data.tokenizer=gpt2,data.seq_len=1024,data.batch_size=480,"

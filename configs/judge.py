@@ -13,12 +13,12 @@ its GPU recipe with a 10.7M model 1.47), Pre-LN ends at validation loss 1.646 +-
 (its tuned lr 4e-3, 3 fresh seeds: results/norm_zoo/table.md); the claims no longer run
 150-500 steps, which measured how fast each placement leaves the unigram phase (3.35), not
 where it ends.
-ARG is a geonorm_jax.config preset string, e.g. "placement=peri,lr=3e-3". The peak LR here is
+ARG is a geonorm_jax.training.config preset string, e.g. "placement=peri,lr=3e-3". The peak LR here is
 only a default: claim experiments tune it per placement (claims.tune_lr).
 Runtime: about 8 minutes a run with two runs sharing the 2-core machine (Pre-LN: 241 ms a step,
 results/norm_zoo/table.md), so a sweep costs about 4 minutes a run.
 """
-from geonorm_jax import config as config_lib
+from geonorm_jax.training import config as config_lib
 
 _RECIPE = ("tiny,data.source=text,data.path=data/tinyshakespeare.txt,data.tokenizer=byte,"
            "data.seq_len=128,data.batch_size=16,train.steps=2000,train.lr=2e-3,"

@@ -6,7 +6,7 @@
         --workdir=runs/llama2_7b_simplenorm --config.data.path=...
 
 ARG is SIZE[,key=value,...] with SIZE one of llama2_1b, llama2_7b, llama3_8b; the other items
-are geonorm_jax.config presets and win over the recipe below.
+are geonorm_jax.training.config presets and win over the recipe below.
 Data: token ids from the model's own tokenizer (this codebase ships none for LLaMA).
 LLaMA-2's 32000-token vocabulary fits uint16, so the default source is nanogpt_bin; LLaMA-3's
 128256 tokens do not, so llama3_8b reads array_record (int32 tokens per record).
@@ -18,7 +18,7 @@ Runtime: an accelerator job (a 2-core CPU cannot train it).
 Expected result: not measured here (needs an accelerator pod); SimpleGPT reports 2.208
 (SimpleNorm) vs 2.290 (LLaMA2 + QK-norm) training loss at 7B, 60K steps.
 """
-from geonorm_jax import config as config_lib
+from geonorm_jax.training import config as config_lib
 
 _SOURCES = {"llama2_1b": "nanogpt_bin", "llama2_7b": "nanogpt_bin", "llama3_8b": "array_record"}
 _RECIPE = ("data.batch_size=1024,train.steps=100000,train.lr=3e-4,"

@@ -17,9 +17,9 @@ linear and LayerNorm biases (nanoGPT's `bias=False`), and we evaluate on 64 batc
 instead of nanoGPT's 20, which only makes the reading less noisy.
 Runtime: about 2.5 minutes of training on a quiet 2-core x86_64 CPU.
 Expected result (results/calibration/table.md): validation loss at most 1.90, mean of 3 seeds.
-ARG is a geonorm_jax.config preset string, e.g. "placement=peri".
+ARG is a geonorm_jax.training.config preset string, e.g. "placement=peri".
 """
-from geonorm_jax import config as config_lib
+from geonorm_jax.training import config as config_lib
 
 _RECIPE = ("tiny,tie_embeddings=true,data.source=text,data.path=data/tinyshakespeare.txt,"
            "data.tokenizer=byte,data.seq_len=64,data.batch_size=12,max_seq_len=64,"

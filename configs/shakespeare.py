@@ -7,7 +7,7 @@
 
 Run from the repository root: data.path is relative to it (the text is ASCII, so byte tokens
 are characters). Point --config.data.path at your own copy of the file elsewhere.
-ARG is a geonorm_jax.config preset string, e.g. "placement=peri".
+ARG is a geonorm_jax.training.config preset string, e.g. "placement=peri".
 The head is untied (a tied one makes Post-LN, DeepNorm, Mix-LN and most GeoNorm schedules
 collapse at this size: results/placement_sweep/table.md). Every experiment on tinyshakespeare
 reads this recipe (experiments/shakespeare.py, placement_sweep.py, stream_probe.py).
@@ -18,7 +18,7 @@ seeds); every placement below 2.5 except DyT (3.348) and, at this lr, GeoNorm ha
 constant and sqrt in 1, 2 and 1 of 3 seeds (collapsed at ~3.35; they learn at lr 1e-3:
 results/shakespeare_lr1e-3/).
 """
-from geonorm_jax import config as config_lib
+from geonorm_jax.training import config as config_lib
 
 _RUN = ("tiny,data.source=text,data.path=data/tinyshakespeare.txt,"
         "data.tokenizer=byte,data.seq_len=128,data.batch_size=16,train.steps=500,"

@@ -14,7 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from geonorm_jax import sweep  # pylint: disable=g-import-not-at-top
+from geonorm_jax.studies import sweep  # pylint: disable=g-import-not-at-top
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = "configs/nanogpt_cpu.py"

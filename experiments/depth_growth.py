@@ -40,7 +40,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from geonorm_jax import claims, stats, sweep  # pylint: disable=g-import-not-at-top
+from geonorm_jax.studies import claims, stats, sweep  # pylint: disable=g-import-not-at-top
 
 NAME = "depth_growth"
 CLAIM = "Pre-LN's hidden states grow exponentially in depth, Peri-LN's linearly"
@@ -97,7 +97,9 @@ def measure(args):
     return [], []
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from geonorm_jax import data, losses, metrics, model as model_lib, spec as spec_lib
+  from geonorm_jax.data import windows as data
+  from geonorm_jax.nn import losses, model as model_lib, spec as spec_lib
+  from geonorm_jax.training import metrics
   scale = SCALES[args.scale]
   depths = ["4", "16", "48"] if args.quick else args.depths.split(",")
   rows, curves = [], []

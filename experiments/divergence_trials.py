@@ -33,7 +33,7 @@ import sys
 from scipy import stats as scipy_stats
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from geonorm_jax import claims, stats  # pylint: disable=g-import-not-at-top
+from geonorm_jax.studies import claims, stats  # pylint: disable=g-import-not-at-top
 
 NAME = "divergence_trials"
 CLAIM = "Pre-LN diverges in 1/5 runs with weight decay and 3/5 without; Peri-LN in 0/5"

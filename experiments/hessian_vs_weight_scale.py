@@ -54,9 +54,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import claims, hessian, losses, metrics, paths, report, sweep, train
-from geonorm_jax.hessian_progress import HessianProgress, Stage
+from geonorm_jax import hessian
+from geonorm_jax.hessian.progress import HessianProgress, Stage
+from geonorm_jax.nn import losses, paths
+from geonorm_jax.studies import claims, report, sweep
+from geonorm_jax.training import config as config_lib
+from geonorm_jax.training import metrics, train
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 

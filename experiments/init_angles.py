@@ -19,7 +19,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from geonorm_jax import data, sweep, train  # pylint: disable=g-import-not-at-top
+from geonorm_jax.data import windows as data  # pylint: disable=g-import-not-at-top
+from geonorm_jax.studies import sweep
+from geonorm_jax.training import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = "configs/judge.py"

@@ -48,7 +48,7 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from geonorm_jax import claims, stats, sweep  # pylint: disable=g-import-not-at-top
+from geonorm_jax.studies import claims, stats, sweep  # pylint: disable=g-import-not-at-top
 
 NAME = "lr_tolerance"
 CLAIM = "SimpleNorm trains at 3-10x the peak learning rate of Pre-LN"
@@ -75,7 +75,7 @@ SCALES = {
 PAPER_PREFIX = "llama2_1b/"
 CURVES = (("train", "loss"), ("eval", "loss"))
 # SimpleGPT compares SimpleNorm with Pre-LN on LLaMA-style models: at the judge scale both on
-# the LLaMA backbone of the tiny size (geonorm_jax/config.py SIZES["tiny_llama"]), named apart
+# the LLaMA backbone of the tiny size (geonorm_jax/training/config.py SIZES["tiny_llama"]), named apart
 # from the norm zoo's GPT-2-backbone "pre" and "simplenorm" so that their grid runs in
 # runs/claims/lr_grid/judge never collide; at paper scale the scale's model is already LLaMA.
 LLAMA_VARIANTS = {

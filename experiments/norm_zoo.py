@@ -26,7 +26,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from geonorm_jax import claims, stats  # pylint: disable=g-import-not-at-top
+from geonorm_jax.studies import claims, stats  # pylint: disable=g-import-not-at-top
 
 NAME = "norm_zoo"
 CLAIM = "GeoNorm reaches a lower validation loss than Pre-, Post-, DeepNorm and Sandwich-Norm"

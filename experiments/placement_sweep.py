@@ -11,7 +11,7 @@ sample std over seeds) and the collapse diagnostics at the last check, per varia
 import argparse
 import os
 
-from geonorm_jax import sweep
+from geonorm_jax.studies import sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = "configs/shakespeare.py"

@@ -34,7 +34,7 @@ import sys
 from scipy import stats as scipy_stats
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from geonorm_jax import claims, stats  # pylint: disable=g-import-not-at-top
+from geonorm_jax.studies import claims, stats  # pylint: disable=g-import-not-at-top
 
 NAME = "seq_length"
 CLAIM = "Post-LN spikes and collapses at long sequence length; GeoNorm stays stable"

@@ -12,7 +12,7 @@ diagnostics of the last check.
 import argparse
 import os
 
-from geonorm_jax import sweep
+from geonorm_jax.studies import sweep
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = "configs/shakespeare.py"

@@ -17,7 +17,8 @@ import os
 
 import numpy as np
 
-from geonorm_jax import metrics, sweep
+from geonorm_jax.studies import sweep
+from geonorm_jax.training import metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = "configs/shakespeare.py"

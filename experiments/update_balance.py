@@ -37,7 +37,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from geonorm_jax import claims, stats  # pylint: disable=g-import-not-at-top
+from geonorm_jax.studies import claims, stats  # pylint: disable=g-import-not-at-top
 
 NAME = "update_balance"
 CLAIM = "Pre-LN gives lower layers larger gradients than upper ones (GeoNorm's motivation)"

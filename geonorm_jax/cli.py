@@ -12,7 +12,7 @@ Commands:
            given (e.g. to evaluate on other data), else the run's saved config.json.
   sample   Generate text from a checkpoint: --prompt, --num_tokens, --temperature, --top_k,
            --seed, --step. Reads the run's config.json; prints the decoded text.
-  hessian  Hessian spectrum of checkpoints (geonorm_jax.hessian_cli): prints its cost, then
+  hessian  Hessian spectrum of checkpoints (geonorm_jax.hessian.cli): prints its cost, then
            a progress bar. --step=S|latest|all (--every=K), several --workdir to
            compare runs (figures in --out), --estimates=top,density,trace,precond,
            --lanczos_steps, --probes, --lanes, --batches, --eigenvalues, --hvp, --seed.
@@ -46,7 +46,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from geonorm_jax import prepare  # defines the prepare command's flags
+from geonorm_jax.data import prepare  # defines the prepare command's flags
 
 COMMANDS = ("train", "eval", "sample", "hessian", "main", "prepare", "report")
 
@@ -141,7 +141,7 @@ def _require_config(command):
 
 def _validate(config):
   """Config errors as a CommandError naming the field, before anything is compiled."""
-  from geonorm_jax import train  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.training import train  # pylint: disable=g-import-not-at-top
   try:
     train.validate(config)
   except (ValueError, FileNotFoundError) as e:
@@ -153,12 +153,14 @@ def _print_json(result):
 
 
 def run_train():
-  from geonorm_jax import train  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.hessian import callback as hessian_callback  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.training import train  # pylint: disable=g-import-not-at-top
   config = _require_config("train")
   workdir = _require_workdir()
   _validate(config)
   try:
-    summary = train.train(config, workdir, step=_step())
+    summary = train.train(config, workdir, step=_step(),
+                          loggers=hessian_callback.step_loggers(config))
   except train.DivergenceError:
     raise
   except ValueError as e:  # a checkpoint written with another config
@@ -171,7 +173,7 @@ def run_train():
 
 
 def run_eval():
-  from geonorm_jax import train  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.training import train  # pylint: disable=g-import-not-at-top
   workdir = _require_workdir()
   config = _config_value()
   if config is not None:
@@ -184,7 +186,8 @@ def run_eval():
 
 
 def run_sample():
-  from geonorm_jax import sample, train  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.nn import sample  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.training import train
   workdir = _require_workdir()
   try:
     config, model = train.load_model(workdir, step=_step())
@@ -201,7 +204,7 @@ def run_sample():
 
 
 def run_hessian():
-  from geonorm_jax import hessian_analysis, hessian_cli  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.hessian import analysis as hessian_analysis, cli as hessian_cli  # pylint: disable=g-import-not-at-top
   if not _WORKDIR.value:
     raise CommandError("--workdir is required")
   try:
@@ -230,7 +233,7 @@ def run_prepare():
 
 
 def run_report(*results_dirs):
-  from geonorm_jax import claims  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.studies import claims  # pylint: disable=g-import-not-at-top
   if not results_dirs:
     raise CommandError("report: give one or more results folders, e.g. results/norm_zoo")
   for results_dir in results_dirs:
@@ -247,7 +250,7 @@ _RUNNERS = {"train": run_train, "eval": run_eval, "sample": run_sample,
 
 
 def _exit_code(err):
-  from geonorm_jax import train  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.training import train  # pylint: disable=g-import-not-at-top
   if isinstance(err, CommandError):
     return EXIT_USAGE
   if isinstance(err, train.DivergenceError):

@@ -16,8 +16,10 @@ same workdir resumes (or skips) finished runs instead of training again.
 import os
 import time
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import report, sample, train
+from geonorm_jax.nn import sample
+from geonorm_jax.studies import report
+from geonorm_jax.training import config as config_lib
+from geonorm_jax.training import train
 
 # The step count keeps the whole job under ~7 minutes on a 2-core CPU: measured 6 min 7 s for
 # `python -m geonorm_jax main` (both runs, plot, sample) on a 2-core machine shared with other

@@ -59,9 +59,10 @@ def main(argv):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
-  from geonorm_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from geonorm_jax import data as data_lib  # pylint: disable=g-import-not-at-top
-  from geonorm_jax import train as train_lib  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.data import windows as data_lib  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.hessian import callback as hessian_callback  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.training import train as train_lib  # pylint: disable=g-import-not-at-top
 
   config = config_lib.get_config(args.config)
   if config.mesh.num_processes > 1:
@@ -79,7 +80,7 @@ def main(argv):
     return init_state(*a, **k)
   train_lib.init_state = logged_init_state
 
-  summary = train_lib.train(config, args.workdir)
+  summary = train_lib.train(config, args.workdir, loggers=hessian_callback.step_loggers(config))
   print("SUMMARY " + json.dumps(summary), flush=True)
 
 

@@ -1,4 +1,4 @@
-"""experiments/bench_memory.py's table: compiled per-device memory of a tiny train step on a
+"""benchmarks/bench_memory.py's table: compiled per-device memory of a tiny train step on a
 2-device FSDP mesh (conftest's fake CPU devices), its linear extrapolation in depth and the
 markdown columns."""
 import importlib.util
@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench_memory.py"
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_memory.py"
 _SPEC = importlib.util.spec_from_file_location("bench_memory", _PATH)
 bench_memory = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench_memory)

@@ -5,7 +5,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-_DIR = pathlib.Path(__file__).resolve().parents[1] / "experiments"
+_DIR = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 _SPEC = importlib.util.spec_from_file_location("bench_profile", _DIR / "bench_profile.py")
 bench_profile = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench_profile)

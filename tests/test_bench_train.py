@@ -5,7 +5,7 @@ import json
 import pathlib
 import sys
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "bench_train.py"
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py"
 _SPEC = importlib.util.spec_from_file_location("bench_train", _PATH)
 bench_train = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench_train)

@@ -1,4 +1,4 @@
-"""Tests for geonorm_jax.checkpoint on 8 fake CPU devices (see conftest.py)."""
+"""Tests for geonorm_jax.training.checkpoint on 8 fake CPU devices (see conftest.py)."""
 import json
 import os
 import signal
@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from geonorm_jax import checkpoint
-from geonorm_jax.config import get_base_config
+from geonorm_jax.training import checkpoint
+from geonorm_jax.training.config import get_base_config
 
 
 def _checkpoint_config(keep_last=3, keep_every=0, every=1, async_save=True):

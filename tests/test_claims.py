@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from geonorm_jax import claims, sweep, train
+from geonorm_jax.studies import claims, sweep
+from geonorm_jax.training import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = ("norm_zoo", "geonorm_decay", "seq_length", "update_balance", "lr_tolerance",

@@ -109,7 +109,7 @@ def _load_config_file(name):
 
 @pytest.mark.parametrize("name", sorted(CONFIG_ARGS))
 def test_every_config_file_builds_a_valid_model_spec(name):
-  from geonorm_jax import spec  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.nn import spec  # pylint: disable=g-import-not-at-top
   module = _load_config_file(name)
   assert f"python -m geonorm_jax train --config=configs/{name}.py" in module.__doc__
   for arg in CONFIG_ARGS[name]:

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import data as data_lib
-from geonorm_jax import train as train_lib
+from geonorm_jax.data import windows as data_lib
+from geonorm_jax.training import config as config_lib
+from geonorm_jax.training import train as train_lib
 
 st = hypothesis.strategies
 
@@ -22,7 +22,7 @@ def _config(extra=""):
 
 @st.composite
 def _valid_configs(draw):
-  from geonorm_jax import placements  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.nn import placements  # pylint: disable=g-import-not-at-top
   backbone = draw(st.sampled_from(["gpt2", "llama"]))
   num_heads = draw(st.sampled_from([1, 2]))
   head_dim = draw(st.sampled_from([8, 16]))  # even, as RoPE needs

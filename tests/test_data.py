@@ -1,4 +1,4 @@
-"""Tests for geonorm_jax.data: sources, windows, resumption, process shards, errors."""
+"""Tests for geonorm_jax.data.windows: sources, windows, resumption, process shards, errors."""
 import hashlib
 import os
 import pickle
@@ -10,8 +10,8 @@ import pytest
 from array_record.python import array_record_module
 from pydoc_data import topics
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import data, data_sources
+from geonorm_jax.data import windows as data, sources as data_sources
+from geonorm_jax.training import config as config_lib
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Shipped with the repository (data/README.md says where it comes from).

@@ -4,9 +4,9 @@ arXiv 2503.10622, Section 7.2), the LLaMA 13B row of its per-model table, and wh
 between and outside the table's entries."""
 import pytest
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import placements
-from geonorm_jax import spec as spec_lib
+from geonorm_jax.nn import placements
+from geonorm_jax.nn import spec as spec_lib
+from geonorm_jax.training import config as config_lib
 
 # The paper's cells, typed in from the paper (not from placements.py): width -> (attention,
 # other) at every depth 8, 16, 32, 64.

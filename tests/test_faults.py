@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from geonorm_jax import checkpoint as checkpoint_lib
-from geonorm_jax import config as config_lib
-from geonorm_jax import data as data_lib
-from geonorm_jax import metrics, paths
-from geonorm_jax import train as train_lib
+from geonorm_jax.data import windows as data_lib
+from geonorm_jax.nn import paths
+from geonorm_jax.training import checkpoint as checkpoint_lib
+from geonorm_jax.training import config as config_lib
+from geonorm_jax.training import metrics
+from geonorm_jax.training import train as train_lib
 
 STEPS = 30
 TINY = ("tiny,num_layers=2,d_model=32,num_heads=2,seq_len=16,max_seq_len=16,batch_size=8,"
@@ -288,7 +289,7 @@ def test_a_killed_trainer_leaves_no_stuck_lock(tmp_path):
   workdir = str(tmp_path / "run")
   holder = subprocess.Popen(
       [sys.executable, "-c",
-       "import sys, time; from geonorm_jax import checkpoint as c; "
+       "import sys, time; from geonorm_jax.training import checkpoint as c; "
        "lock = c.WorkdirLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(600)",
        workdir], stdout=subprocess.PIPE, text=True,
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

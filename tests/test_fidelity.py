@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from geonorm_jax import collapse
-from geonorm_jax import config as config_lib
-from geonorm_jax import model as model_lib
-from geonorm_jax import spec as spec_lib
-from geonorm_jax import train
+from geonorm_jax.nn import model as model_lib
+from geonorm_jax.nn import spec as spec_lib
+from geonorm_jax.training import collapse
+from geonorm_jax.training import config as config_lib
+from geonorm_jax.training import train
 
 
 def _config(arg):

@@ -12,7 +12,8 @@ import numpy as np
 import optax
 import pytest
 
-from geonorm_jax import hessian, paths
+from geonorm_jax import hessian
+from geonorm_jax.nn import paths
 
 # ----------------------------------------------------------------------------------------
 # Fixtures: a tiny tanh MLP with cross-entropy (264 parameters) and known-spectrum matrices.

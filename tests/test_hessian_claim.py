@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import hessian, losses, paths, model as model_lib
+from geonorm_jax import hessian
+from geonorm_jax.nn import losses, paths, model as model_lib
+from geonorm_jax.training import config as config_lib
 
 _FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 TINY = ("tiny,num_layers=2,d_model=16,num_heads=2,d_ff=32,vocab_size=32,max_seq_len=8,"

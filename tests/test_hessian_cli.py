@@ -18,8 +18,10 @@ import pytest
 
 pytestmark = pytest.mark.slow  # trains a run, then analyses its checkpoint end to end
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import hessian_analysis, hessian_cli, hessian_report, metrics, optim, train
+from geonorm_jax.hessian import analysis as hessian_analysis, callback as hessian_callback
+from geonorm_jax.hessian import cli as hessian_cli, report as hessian_report
+from geonorm_jax.training import config as config_lib
+from geonorm_jax.training import metrics, optim, train
 
 TINY = ("tiny,num_layers=1,d_model=16,num_heads=2,max_seq_len=16,seq_len=16,batch_size=8,"
         "steps=4,warmup_steps=1,eval_every=4,eval_batches=2,log_every=1,progress_bar=false,"
@@ -35,7 +37,7 @@ def trained(tmp_path_factory):
   root = tmp_path_factory.mktemp("hessian_runs")
   workdir = str(root / "run_a")
   config = config_lib.get_config(TINY)
-  train.train(config, workdir)
+  train.train(config, workdir, loggers=hessian_callback.step_loggers(config))
   # A second run for the overlay: a copy is enough to test the comparison's plumbing.
   shutil.copytree(workdir, str(root / "run_b"))
   return config, workdir, str(root / "run_b")

@@ -1,14 +1,16 @@
 """The Lanczos basis is sharded like the parameters and held once: per-device memory of a
 compiled Lanczos on an 8-device FSDP mesh (conftest's fake CPU devices), lowered on abstract
-arrays as experiments/bench_hessian.py --memory does for llama2_7b."""
+arrays as benchmarks/bench_hessian.py --memory does for llama2_7b."""
 import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 import numpy as np
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import hessian, hessian_analysis, train
-from geonorm_jax import model as model_lib
+from geonorm_jax import hessian
+from geonorm_jax.hessian import analysis as hessian_analysis
+from geonorm_jax.nn import model as model_lib
+from geonorm_jax.training import config as config_lib
+from geonorm_jax.training import train
 from tests.test_hessian import mlp, mlp_loss  # noqa: F401
 
 # 1.2M parameters: a basis row's shard (0.56 MiB) is well above the compiler's rounding.

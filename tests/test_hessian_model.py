@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import hessian, losses, model as model_lib
+from geonorm_jax import hessian
+from geonorm_jax.nn import losses, model as model_lib
+from geonorm_jax.training import config as config_lib
 
 pytestmark = pytest.mark.slow  # dense reference Hessians of tiny models, one per placement
 

@@ -11,9 +11,9 @@ import torch  # a test extra: `pip install -e ".[test]"`
 import transformers
 from flax import nnx
 
-from geonorm_jax import convert
-from geonorm_jax import model as model_lib
-from geonorm_jax.spec import resolve
+from geonorm_jax.interop import convert
+from geonorm_jax.nn import model as model_lib
+from geonorm_jax.nn.spec import resolve
 
 pytestmark = pytest.mark.slow  # imports torch and transformers
 

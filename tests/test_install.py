@@ -51,7 +51,7 @@ def test_make_run_installs_without_test_extras_and_make_test_with_them(tmp_path)
 @pytest.mark.slow  # subprocess: a fresh interpreter, so nothing a test imported counts
 def test_main_job_and_cli_import_no_test_only_package():
   code = ("import sys\n"
-          "import geonorm_jax.cli, geonorm_jax.main_job, geonorm_jax.prepare\n"
+          "import geonorm_jax.cli, geonorm_jax.main_job, geonorm_jax.data.prepare\n"
           f"print(sorted(m for m in {TEST_ONLY!r} if m in sys.modules))\n")
   result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=120, check=False,

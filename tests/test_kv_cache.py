@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import model as model_lib
-from geonorm_jax import sample
+from geonorm_jax.nn import model as model_lib
+from geonorm_jax.nn import sample
+from geonorm_jax.training import config as config_lib
 
 # Learned positions (gpt2), RoPE + grouped-query attention (llama, 4 heads on 2 KV heads),
 # the placements whose attention differs (nGPT's unit q/k, SimpleNorm's norms on q/k/v,

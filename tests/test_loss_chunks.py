@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from geonorm_jax import config as config_lib, losses, model as model_lib, train
+from geonorm_jax.nn import losses, model as model_lib
+from geonorm_jax.training import config as config_lib, train
 
 
 def test_chunked_cross_entropy_and_gradients_match_the_closed_form():

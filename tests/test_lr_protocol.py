@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from geonorm_jax import checkpoint, claims, sweep
+from geonorm_jax.studies import claims, sweep
+from geonorm_jax.training import checkpoint
 
 
 def _experiment():

@@ -1,4 +1,4 @@
-"""Tests for geonorm_jax.metrics: logging round trips, per-layer statistics, throughput."""
+"""Tests for geonorm_jax.training.metrics: logging round trips, per-layer statistics, throughput."""
 import io
 import json
 import math
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from geonorm_jax import metrics
+from geonorm_jax.training import metrics
 
 
 def _tensorboard_scalars(workdir, tag):

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import layers, losses, model as model_lib, placements, spec as spec_lib
+from geonorm_jax.nn import layers, losses, model as model_lib, placements, spec as spec_lib
+from geonorm_jax.training import config as config_lib
 
 PLACEMENTS = sorted(placements.PLACEMENTS)
 BACKBONES = ["gpt2", "llama"]

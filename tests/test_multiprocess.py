@@ -14,8 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from geonorm_jax import metrics
-from geonorm_jax import train as train_lib
+from geonorm_jax.training import metrics
+from geonorm_jax.training import train as train_lib
 
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_training.py")
 CONFIG = ("tiny,num_layers=1,d_model=32,num_heads=2,seq_len=32,batch_size=8,max_seq_len=32,"

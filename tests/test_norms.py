@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from geonorm_jax import norms
+from geonorm_jax.nn import norms
 
 
 def _rand(seed, *shape):

@@ -11,8 +11,8 @@ import nbformat
 import numpy as np
 import pytest
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import metrics, train
+from geonorm_jax.training import config as config_lib
+from geonorm_jax.training import metrics, train
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK_DIR = os.path.join(REPO_ROOT, "notebooks")

@@ -10,8 +10,8 @@ import types
 import numpy as np
 import pytest
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import data, data_sources, prepare
+from geonorm_jax.data import windows as data, sources as data_sources, prepare
+from geonorm_jax.training import config as config_lib
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAKESPEARE = os.path.join(REPO_ROOT, "data", "tinyshakespeare.txt")

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from geonorm_jax import checkpoint
-from geonorm_jax import config as config_lib
-from geonorm_jax import model as model_lib
-from geonorm_jax import paths
-from geonorm_jax import spec as spec_lib
+from geonorm_jax.nn import model as model_lib
+from geonorm_jax.nn import paths
+from geonorm_jax.nn import spec as spec_lib
+from geonorm_jax.training import checkpoint
+from geonorm_jax.training import config as config_lib
 
 EPS = 1e-5
 VOCAB = 64

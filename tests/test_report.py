@@ -3,7 +3,8 @@ import csv
 import json
 import math
 
-from geonorm_jax import metrics, report, sweep
+from geonorm_jax.studies import report, sweep
+from geonorm_jax.training import metrics
 
 
 def _fake_run(path, train_losses, eval_losses, summary=None):

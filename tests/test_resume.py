@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import metrics
-from geonorm_jax import train as train_lib
+from geonorm_jax.training import config as config_lib
+from geonorm_jax.training import metrics
+from geonorm_jax.training import train as train_lib
 
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "run_training.py")
 STEPS = 30

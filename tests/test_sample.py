@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import model as model_lib
-from geonorm_jax import sample
+from geonorm_jax.nn import model as model_lib
+from geonorm_jax.nn import sample
+from geonorm_jax.training import config as config_lib
 
 
 def _tiny_model(backbone="gpt2", max_seq_len=8):

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import losses
-from geonorm_jax import model as model_lib
+from geonorm_jax.nn import losses
+from geonorm_jax.nn import model as model_lib
+from geonorm_jax.training import config as config_lib
 
 SMALL = "tiny,num_layers=2,d_model=32,num_heads=4"
 

@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from geonorm_jax import checkpoint, convert, init_rules, losses
-from geonorm_jax import config as config_lib
-from geonorm_jax import model as model_lib
-from geonorm_jax import spec as spec_lib
-from geonorm_jax import train
+from geonorm_jax.interop import convert
+from geonorm_jax.nn import init_rules, losses
+from geonorm_jax.nn import model as model_lib
+from geonorm_jax.nn import spec as spec_lib
+from geonorm_jax.training import checkpoint
+from geonorm_jax.training import config as config_lib
+from geonorm_jax.training import train
 
 # Layer-dependent numbers each case exercises under the scan: GeoNorm's alpha_k (per block, and
 # per sublayer with a clamp), LNS's 1/sqrt(l) with remat, nGPT's sublayer scales and unit q/k,

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import metrics, train
-from geonorm_jax import model as model_lib
+from geonorm_jax.nn import model as model_lib
+from geonorm_jax.training import config as config_lib
+from geonorm_jax.training import metrics, train
 
 NUM_LAYERS = 2
 TOL = 1e-5  # radians

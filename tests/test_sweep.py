@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import sweep
+from geonorm_jax.studies import sweep
+from geonorm_jax.training import config as config_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,10 +1,10 @@
 """The `tiny_llama` size: `tiny`'s shape and data on the LLaMA backbone, about tiny's size."""
 import jax.numpy as jnp
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import model as model_lib
-from geonorm_jax import paths
-from geonorm_jax import spec as spec_lib
+from geonorm_jax.nn import model as model_lib
+from geonorm_jax.nn import paths
+from geonorm_jax.nn import spec as spec_lib
+from geonorm_jax.training import config as config_lib
 
 
 def test_tiny_llama_resolves_to_the_llama_architecture_at_tiny_shape():
@@ -20,7 +20,7 @@ def test_tiny_llama_resolves_to_the_llama_architecture_at_tiny_shape():
   assert not spec.has_bias
   assert spec.gated_mlp and spec.uses_rope
   assert spec.d_ff == 368
-  assert spec.placement == "pre"
+  assert spec.placement.name == "pre"
 
 
 def test_tiny_llama_params_no_biases_no_positions_and_about_tiny_size():

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from geonorm_jax import config as config_lib
-from geonorm_jax import losses, model as model_lib, paths
+from geonorm_jax.nn import losses, model as model_lib, paths
+from geonorm_jax.training import config as config_lib
 
 torch = pytest.importorskip("torch")
 import torch_reference  # noqa: E402  (pytest puts tests/ on sys.path: it has no __init__.py)

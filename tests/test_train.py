@@ -4,11 +4,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from geonorm_jax import compile_options
-from geonorm_jax import config as config_lib
-from geonorm_jax import data as data_lib
-from geonorm_jax import model as model_lib, optim, train
-from geonorm_jax import sharding as sharding_lib
+from geonorm_jax.data import windows as data_lib
+from geonorm_jax.nn import model as model_lib
+from geonorm_jax.nn import sharding as sharding_lib
+from geonorm_jax.training import compile_options
+from geonorm_jax.training import config as config_lib
+from geonorm_jax.training import optim, train
 
 SMALL = ("tiny,num_layers=2,d_model=32,num_heads=4,seq_len=32,max_seq_len=32,batch_size=16,"
          "train.progress_bar=false,warmup_steps=2,steps=10,lr=3e-3")

@@ -1,6 +1,6 @@
 """Every claim rule on constructed results: each experiment's summarize() returns each outcome
 its rule can reach (reproduced, not at this scale, unresolved; contradicted at paper scale),
-and the statistics the rules stand on (geonorm_jax/stats.py, claims.grid_optimum) against
+and the statistics the rules stand on (geonorm_jax/studies/stats.py, claims.grid_optimum) against
 hand and closed-form computations. Nothing here trains."""
 import math
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from geonorm_jax import claims, stats
+from geonorm_jax.studies import claims, stats
 
 SEEDS = (0, 1, 2)
 

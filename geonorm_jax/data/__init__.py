@@ -1,0 +1,1 @@
+"""Data: corpus sources and tokenizers, window batches with exact resume, corpus preparation."""

@@ -1,0 +1,1 @@
+"""Studies: sweeps of runs, the claim experiments' protocol and statistics, run reports."""

@@ -1,0 +1,138 @@
+"""Side-by-side comparison of finished runs: a loss-curve plot and a summary table.
+
+Everything is read back from each run's files (metrics.jsonl, and summary.json when the
+trainer wrote one), never passed in by hand, so a table can always be regenerated from
+the run folders alone.
+"""
+import csv
+import math
+import os
+
+import numpy as np
+
+from geonorm_jax.training import metrics
+
+PLOT_FILENAME = "loss_curves.png"
+TABLE_FILENAME = "summary.md"
+CSV_FILENAME = "summary.csv"
+
+COLUMNS = ("placement", "final step", "final train loss", "final eval loss", "tokens/s",
+           "wall time (s)")
+
+
+def _last(values):
+  return float(values[-1]) if len(values) else float("nan")
+
+
+def run_row(name, run_dir):
+  """One table row for a run folder; a number the run never logged is NaN."""
+  train_steps, train_loss = metrics.read_scalar_series(run_dir, "loss", split="train")
+  _, eval_loss = metrics.read_scalar_series(run_dir, "loss", split="eval")
+  _, logged_tokens_per_s = metrics.read_scalar_series(run_dir, "tokens_per_s", split="train")
+  summary = metrics.read_summary(run_dir)
+  tokens_per_s = summary.get("tokens_per_s", _last(logged_tokens_per_s))
+  return {
+      "placement": name,
+      "final step": int(train_steps[-1]) if len(train_steps) else 0,
+      "final train loss": _last(train_loss),
+      "final eval loss": _last(eval_loss),
+      "tokens/s": float(tokens_per_s),
+      # Only the trainer knows its wall time (the last session's, after a resume).
+      "wall time (s)": float(summary.get("wall_s", float("nan"))),
+  }
+
+
+def _format(value, column):
+  if isinstance(value, str):
+    return value
+  if isinstance(value, float) and not math.isfinite(value):
+    return "n/a"
+  if column in ("final train loss", "final eval loss"):
+    return f"{value:.4f}"
+  if column == "tokens/s":
+    return f"{value:,.0f}"
+  if column == "wall time (s)":
+    return f"{value:.1f}"
+  return str(value)
+
+
+def markdown_table(rows, columns=COLUMNS):
+  """A markdown table of dict rows; the comparison's own columns get their number formats."""
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  for row in rows:
+    lines.append("| " + " | ".join(_format(row[c], c) for c in columns) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def plot_loss_curves(run_dirs, path):
+  """Train (left) and eval (right) loss against step, one line per run."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")  # files only: works headless and never opens a window
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  figure, (train_axes, eval_axes) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+  for index, (name, run_dir) in enumerate(run_dirs.items()):
+    color = f"C{index}"
+    steps, values = metrics.read_scalar_series(run_dir, "loss", split="train")
+    train_axes.plot(steps, values, color=color, label=name)
+    steps, values = metrics.read_scalar_series(run_dir, "loss", split="eval")
+    eval_axes.plot(steps, values, "o-", color=color, label=name)
+  for axes, title in ((train_axes, "train loss"), (eval_axes, "eval loss")):
+    axes.set_title(title)
+    axes.set_xlabel("step")
+    axes.grid(alpha=0.3)
+    axes.legend()
+  train_axes.set_ylabel("cross-entropy (nats / token)")
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+  plt.close(figure)
+
+
+def compare_runs(run_dirs, out_dir, title="Comparison"):
+  """Writes out_dir/loss_curves.png, summary.md and summary.csv; returns the table rows.
+
+  Args:
+    run_dirs: display name -> run folder, in the order the table should list them.
+    out_dir: where the plot and tables go (created if needed).
+    title: the heading of summary.md.
+  """
+  os.makedirs(out_dir, exist_ok=True)
+  rows = [run_row(name, run_dir) for name, run_dir in run_dirs.items()]
+  plot_loss_curves(run_dirs, os.path.join(out_dir, PLOT_FILENAME))
+  sources = "\n".join(f"- {name}: `{run_dir}`" for name, run_dir in run_dirs.items())
+  with open(os.path.join(out_dir, TABLE_FILENAME), "w", encoding="utf-8") as f:
+    f.write(f"# {title}\n\n{markdown_table(rows)}\n"
+            f"Read from each run's metrics.jsonl and summary.json:\n{sources}\n\n"
+            f"![loss curves]({PLOT_FILENAME})\n")
+  with open(os.path.join(out_dir, CSV_FILENAME), "w", encoding="utf-8", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+  return rows
+
+
+def best_run(rows):
+  """The row with the lowest final eval loss (a run without eval loses to any with)."""
+  def key(row):
+    loss = row["final eval loss"]
+    return loss if np.isfinite(loss) else float("inf")
+  return min(rows, key=key)
+
+
+def _parse_cell(text):
+  if text == "":
+    return None
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
+
+
+def read_results_csv(path):
+  """The rows of an experiment's results.csv (sweep.write_csv): integers and floats parsed
+  (`nan` included), empty cells None (e.g. no collapse_step), any other text kept as is."""
+  with open(path, encoding="utf-8", newline="") as f:
+    return [{key: _parse_cell(value) for key, value in row.items()}
+            for row in csv.DictReader(f)]

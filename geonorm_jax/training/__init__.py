@@ -1,0 +1,1 @@
+"""Training: the config, the loop, optimizer, checkpoints, metrics, collapse monitor, input validation."""

@@ -120,6 +120,25 @@ def test_skip_policy_drops_non_finite_updates_and_counts_them(tmp_path):
     assert _params_finite(workdir, step)
 
 
+def test_give_up_ends_a_run_whose_loss_stays_above_its_start(tmp_path, reference):
+  """train.give_up_steps: lr=1e3 (updates skipped or loss far above the start) ends the run
+  after that many consecutive steps above its first loss, with an eval and a summary; a good
+  run never gives up."""
+  workdir = str(tmp_path / "gave_up")
+  summary = train_lib.train(_config("train.lr=1e3,train.on_divergence=skip,"
+                                    "train.give_up_steps=3"), workdir)
+  losses = {r["step"]: r["loss"] for r in _records(workdir, "train")}
+  first = losses[min(losses)]
+  step = summary["gave_up_step"]
+  assert step is not None and step < STEPS and summary["final_step"] in (step, step + 1)
+  above = [not np.isfinite(losses[t]) or losses[t] > first for t in range(step - 2, step + 1)]
+  assert all(above)  # the three steps up to the give-up step were all above the start
+  assert [r["step"] for r in _records(workdir, "events") if r.get("gave_up")] == \
+      [summary["final_step"]]
+  assert np.isfinite(summary["final_eval_loss"])
+  assert reference["summary"]["gave_up_step"] is None
+
+
 def test_skip_keeps_params_and_optimizer_state_bit_for_bit():
   """Inside the jitted step: a non-finite loss leaves params and opt_state exactly as they
   were, and the step counter advances (so the data stays in step)."""

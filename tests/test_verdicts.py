@@ -498,6 +498,68 @@ def test_lr_tolerance_contradicted_at_paper_scale():
 
 
 # ---------------------------------------------------------------------------
+# lr_sensitivity: Wortsman et al.'s LR sensitivity per width, SimpleNorm's against Pre-LN's.
+# ---------------------------------------------------------------------------
+
+SWEEP_LRS = (1e-3, 4e-3, 1.6e-2, 6.4e-2, 0.256)
+L0 = 5.5  # the constructed runs' loss at initialisation
+
+
+def test_lr_sensitivity_is_the_mean_capped_loss_above_the_best():
+  sensitivity = load("lr_sensitivity")
+  # Capped at L0 = 5: [2.0, 1.5, 3.0, 5.0 (7.0 capped), 5.0 (NaN counts at L0)].
+  got = sensitivity.sensitivity([2.0, 1.5, 3.0, 7.0, NAN], 5.0)
+  assert got == pytest.approx((2.0 + 1.5 + 3.0 + 5.0 + 5.0) / 5 - 1.5)
+  assert sensitivity.sensitivity([NAN, NAN], 5.0) != sensitivity.sensitivity([NAN, NAN], 5.0)
+  # From the optimum (4e-3) upward while within 0.05: 1.6e-2 (+0.04) yes, 6.4e-2 (+0.2) no;
+  # 1e-3 is within too but lies below the optimum, which does not count.
+  assert sensitivity.tolerance(SWEEP_LRS, [1.52, 1.50, 1.54, 1.70, 1.52]) == (4e-3, 1.6e-2)
+  assert sensitivity.tolerance(SWEEP_LRS, [NAN] * 5) == (None, None)
+
+
+def _sweep(grids, widths=(32, 64), seeds=(100, 101)):
+  """grids: {variant: losses over SWEEP_LRS}, the same at each width, shifted by 0.01 per
+  seed; rows and the step-1 curves of each run."""
+  rows, curves = [], []
+  for width in widths:
+    for variant, losses in grids.items():
+      for k, seed in enumerate(seeds):
+        for lr, loss in zip(SWEEP_LRS, losses):
+          name = f"d{width}/{variant}/lr{lr:g}/seed{seed}"
+          rows.append({**row(name.rsplit("/seed", 1)[0], seed, loss + 0.01 * k),
+                       "variant": variant, "width": width, "lr": lr,
+                       "stage": "select" if seed == 100 else "sweep"})
+          curves.append({"name": name, "split": "train", "key": "loss", "step": 1, "value": L0})
+  return rows, curves
+
+
+FLAT = [1.60, 1.50, 1.52, 1.56, 1.70]  # low sensitivity, optimum 4e-3 (interior)
+STEEP = [1.70, 1.50, 2.50, NAN, NAN]  # high sensitivity, optimum 4e-3
+
+
+@pytest.mark.parametrize("grids,seeds,expected,edge", [
+    ({"pre_llama": STEEP, "simplenorm_llama": FLAT}, (100, 101, 102), "reproduced", False),
+    ({"pre_llama": FLAT, "simplenorm_llama": STEEP}, (100, 101, 102), "not at this scale", False),
+    # One seed: no spread, no verdict.
+    ({"pre_llama": STEEP, "simplenorm_llama": FLAT}, (100,), "unresolved", False),
+    # SimpleNorm's optimum on the grid's edge.
+    ({"pre_llama": STEEP, "simplenorm_llama": [1.4] + FLAT[1:]}, (100, 101, 102), "unresolved",
+     True),
+])
+def test_lr_sensitivity_rule(grids, seeds, expected, edge):
+  experiment = load("lr_sensitivity")
+  rows, curves = _sweep(grids, seeds=seeds)
+  summary = experiment.summarize(rows, curves, config("lr_sensitivity"))
+  assert summary.verdict == expected, summary.result
+  table = "\n".join(summary.table)
+  # FLAT's losses are all finite and below L0, so a shift per seed cancels in S.
+  flat = [name for name, losses in grids.items() if losses == FLAT]
+  assert all(f"| {name} | 32 | {len(seeds)} | {experiment.sensitivity(FLAT, L0):.3f}" in table
+             for name in flat)
+  assert ("(edge)" in table) == edge
+
+
+# ---------------------------------------------------------------------------
 # Every figure of a reproduced case draws.
 # ---------------------------------------------------------------------------
 
@@ -514,6 +576,8 @@ def _reproduced_cases():
       "update_balance": (balance_rows, balance_curves, {}),
       "depth_growth": (depth_rows, depth_curves, {}),
       "lr_tolerance": (_tolerance_rows({"pre": PRE, "simplenorm": _simplenorm(6)}), [], {}),
+      "lr_sensitivity": (*_sweep({"pre_llama": STEEP, "simplenorm_llama": FLAT},
+                                 seeds=(100, 101, 102)), {}),
   }
 
 

@@ -14,7 +14,9 @@ An experiment module declares:
 and optionally add_arguments(parser), row_extra(run, workdir_config) -> dict,
 measure(args) -> (rows, curves) for what needs no training (computed in this process, in the
 same row and curve format, after the runs), and TUNED_LRS {scale: "lr,lr,..."}: the
-learning-rate protocol (`run_tuned`): each variant of the grid at its own best peak LR.
+learning-rate protocol (`run_tuned`): each variant of the grid at its own best peak LR, or
+SWEPT_LRS {scale: "lr,lr,..."}: every variant at every LR of the grid and every seed, the
+selection seed's runs being the shared LR-grid runs (an experiment about the LR curve itself).
 
 The learning-rate protocol. Every variant first trains at each LR of the grid on one
 selection seed (--selection_seed, never one of the final seeds); an optimum on an edge of the
@@ -112,11 +114,12 @@ def parse_args(experiment, argv=None):
                       help="print one train command per run (for a cluster) and exit")
   parser.add_argument("--report_only", action="store_true",
                       help="collect the finished runs without training any")
-  if hasattr(experiment, "TUNED_LRS"):
-    parser.add_argument("--lrs", default=None, help="the starting LR grid of the protocol; "
-                        "default the experiment's TUNED_LRS for the scale")
+  if hasattr(experiment, "TUNED_LRS") or hasattr(experiment, "SWEPT_LRS"):
+    parser.add_argument("--lrs", default=None, help="the (starting) LR grid; default the "
+                        "experiment's TUNED_LRS or SWEPT_LRS for the scale")
     parser.add_argument("--selection_seed", type=int, default=SELECTION_SEED,
                         help="the seed every grid LR trains on (never a final seed)")
+  if hasattr(experiment, "TUNED_LRS"):
     parser.add_argument("--max_extensions", type=int, default=3, help="how often an optimum "
                         "on an edge extends the grid by 2x on that side")
   if hasattr(experiment, "add_arguments"):
@@ -171,12 +174,22 @@ def make_runs(experiment, args):
     variants = experiment.grid(args, scale)
     return _selection_runs(experiment, args, variants,
                            {v.name: starting_lrs(experiment, args) for v in variants})
+  if hasattr(experiment, "SWEPT_LRS"):
+    lrs = starting_lrs(experiment, args)
+    runs = []
+    for v in experiment.grid(args, scale):
+      for seed in args.seed_list:
+        shared = seed == args.selection_seed
+        runs += [_make_run(args, scale, v, seed, args.grid_root if shared else args.root, lr,
+                           "select" if shared else "sweep") for lr in lrs]
+    return _checked(experiment, runs)
   return _checked(experiment, [_make_run(args, scale, v, seed, args.root)
                                for v in experiment.grid(args, scale) for seed in args.seed_list])
 
 
 def starting_lrs(experiment, args):
-  text = args.lrs or experiment.TUNED_LRS[args.scale]
+  lrs = getattr(experiment, "TUNED_LRS", None) or experiment.SWEPT_LRS
+  text = args.lrs or lrs[args.scale]
   try:
     return sorted({float(lr) for lr in text.split(",")})
   except ValueError:

@@ -95,6 +95,10 @@ def default_jobs():
 
 # Config fields that change how a run is carried out, not what it computes.
 _OPERATIONAL = ("train.progress_bar", "data.num_workers", "checkpoint", "mesh")
+# A run that did not give up computed the same numbers whatever train.give_up_steps was, so
+# it serves a sweep that sets it (the LR-sensitivity grid shares the LR-grid runs this way);
+# a run that gave up is compared on it like any other field.
+_GIVE_UP = "train.give_up_steps"
 
 
 def _flat(config):
@@ -115,6 +119,9 @@ def check_finished(run):
   with open(os.path.join(run.workdir, "config.json")) as f:
     saved = _flat(config_lib.from_dict(json.load(f)))
   wanted = _flat(run.config())
+  if not (run.summary() or {}).get("gave_up_step"):
+    saved.pop(_GIVE_UP, None)
+    wanted.pop(_GIVE_UP, None)
   changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
   if changed:
     detail = ", ".join(f"{k}: {saved.get(k)!r} != {wanted.get(k)!r}" for k in changed[:4])

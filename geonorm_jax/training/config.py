@@ -104,6 +104,11 @@ def get_base_config() -> ml_collections.ConfigDict:
   # A step whose loss or gradient norm is not finite: stop (exit non-zero, nothing saved after
   # the last finite checkpoint) | skip (the update is dropped inside the jitted step, counted).
   train.on_divergence = "stop"
+  # End a run early once its train loss has stayed above its first logged value (the loss at
+  # initialisation) for this many consecutive steps, or is not finite; 0 = never. For LR
+  # sweeps far past the optimum (experiments/lr_sensitivity.py), where such a run counts at
+  # the capped loss anyway: it evaluates, writes its summary (gave_up_step) and ends.
+  train.give_up_steps = 0
   train.spike_factor = 3.0  # log a loss spike event when loss > factor x running median; 0 = off
 
   ckpt = config.checkpoint = ml_collections.ConfigDict()

@@ -353,6 +353,19 @@ class _Run:
     self.skipped_steps = skipped_steps  # over the whole run, restored from the checkpoint
     self.spikes = 0
     self.spike_detector = SpikeDetector(spike_factor)
+    self.first_loss = None  # the first logged train loss: the loss at initialisation
+    self.steps_above_first = 0
+    self.gave_up_step = None
+
+  def track_rise(self, step, loss, give_up_steps):
+    """train.give_up_steps: counts consecutive steps whose loss is above the first one (or not
+    finite) and marks the step at which the count reaches the limit."""
+    if self.first_loss is None:
+      self.first_loss = loss
+    above = not math.isfinite(loss) or loss > self.first_loss
+    self.steps_above_first = self.steps_above_first + 1 if above else 0
+    if give_up_steps and self.steps_above_first >= give_up_steps and self.gave_up_step is None:
+      self.gave_up_step = step
 
 
 def _divergence_message(step, values, diagnostics, durable_step, workdir):
@@ -498,6 +511,7 @@ def _train_locked(config, workdir, setup, restore_step, loggers):
         writer.write_scalars(step, {"loss_spike": values["loss"], "running_median": median,
                                     "ratio": values["loss"] / median}, split="events")
     run.last_train_loss = values["loss"]
+    run.track_rise(step, values["loss"], config.train.give_up_steps)
     bar.update(step, values["loss"])
     if step % config.train.log_every == 0 or step == config.train.steps:
       now = time.perf_counter()
@@ -529,6 +543,15 @@ def _train_locked(config, workdir, setup, restore_step, loggers):
       # Every process must join the all-gather at the same steps, or the others hang.
       poll = jax.process_count() == 1 or step % _PREEMPTION_POLL_STEPS == 0
       stop = poll and ckpt.any_process_preempted()
+      if run.gave_up_step is not None:
+        if pending is not None:
+          log_train(*pending)
+          pending = None
+        run.last_eval_loss = _evaluate(eval_step, state["params"], eval_arrays)
+        writer.write_scalars(step, {"loss": run.last_eval_loss}, split="eval")
+        writer.write_scalars(step, {"gave_up": 1.0, "first_loss": run.first_loss},
+                             split="events")
+        break
       is_eval = step % config.train.eval_every == 0 or step == config.train.steps
       save = stop or ckpt.should_save(step) or step == config.train.steps
       if is_eval or save:
@@ -560,7 +583,8 @@ def _train_locked(config, workdir, setup, restore_step, loggers):
              "final_eval_loss": run.last_eval_loss, "tokens_per_s": run.tokens_per_s,
              "wall_s": time.perf_counter() - started, "preempted": bool(ckpt.preempted),
              "interrupted": bool(ckpt.interrupted), "skipped_steps": run.skipped_steps,
-             "loss_spikes": run.spikes, "collapse_step": monitor.first_step}
+             "loss_spikes": run.spikes, "collapse_step": monitor.first_step,
+             "gave_up_step": run.gave_up_step}
   _write_summary(workdir, summary)
   return summary
 

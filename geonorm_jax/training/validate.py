@@ -72,6 +72,7 @@ def check_fields(config):
     check.positive("train.hessian_steps")
   check.non_negative("train.sample_tokens")
   check.choice("train.on_divergence", DIVERGENCE_POLICIES)
+  check.non_negative("train.give_up_steps", "0 = never")
   spike = check.finite("train.spike_factor")
   if spike != 0 and spike <= 1:
     check.fail("train.spike_factor", "must be > 1 (or 0 = off)")

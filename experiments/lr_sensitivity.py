@@ -1,0 +1,263 @@
+"""LR sensitivity: how far each placement's final loss rises as its peak learning rate leaves
+the optimum, at several widths (Wortsman et al. 2023, arXiv 2309.14322, "Small-scale proxies
+for large-scale Transformer training instabilities").
+
+  python experiments/lr_sensitivity.py [--widths=32,64,128] [--variants=pre,...]
+      [--seeds=100] [--lrs=2.5e-4,...,1.024] [--jobs=N] [--print] [--quick]
+
+Every variant trains at every LR of one wide grid (factors of 2 from 2.5e-4 to 1.024: the
+issue's 3e-4 to 1 in steps finer than half-decades, and the norm zoo's and lr_tolerance's
+1e-3..0.512 inside it), at each width d of --widths with the depth fixed at the judge
+scale's 4 blocks and the head dimension fixed at 32 (d / 32 heads; the LLaMA variants' SwiGLU
+width 23 d / 8, tiny_llama's 368 at d = 128). At d = 128 the runs are the judge-scale LR-grid
+runs themselves (same names, same configs, under runs/claims/lr_grid/judge), so the norm zoo
+and lr_tolerance share them. A run far past its optimum stops early
+(train.give_up_steps = GIVE_UP_STEPS: its train loss stayed above its first value that long,
+or went non-finite) and counts at the capped loss, so the grid's top costs little.
+
+Per (variant, width, seed), with L(lr) the final validation loss and L0 the loss at
+initialisation (the run's first logged train loss; a run without a finite final loss counts
+at L0):
+  LR sensitivity  S = mean over the grid of min(L(lr), L0) - min over the grid of L(lr)
+  (Wortsman et al.'s definition, on our grid: S depends on the grid, which the table states);
+  optimal LR      the grid LR of min L ("(edge)" on the grid's edge: extend --lrs);
+  tolerance       the largest grid LR up to which, from the optimum upward, every L stays
+                  within MARGIN = 0.05 nats of the optimum (lr_tolerance's margin), and its
+                  ratio to the optimal LR: the "x-fold" tolerance SimpleGPT's claim needs.
+Seeds: the selection seed (100) first; --seeds=100,101 adds a second whole grid for the
+spread of S (its mean and min-max over seeds in the table).
+
+Variants: the GPT-2-backbone placements of the sweeps (pre, pre_qknorm, pre_qknorm_full,
+peri, peri_dt0.1, geonorm, post, deepnorm, ngpt, dyt) and SimpleGPT's comparison on the
+LLaMA backbone (pre_llama, simplenorm_llama, as in lr_tolerance). Judge scale: configs/judge.py.
+Cost on this 2-core machine (two runs at once): a full run is about 4 minutes at d = 128,
+about 1.3 at d = 64 and 0.5 at d = 32; with the top of the grid stopping early, roughly
+8 full runs + 5 short ones per variant, width and seed: about 35 + 17 + 7 = 60 minutes per
+variant and seed over the three widths, less the norm zoo's 4 shared runs at d = 128; all
+12 variants at one seed about 12 hours. Order if compute runs short: pre, pre_qknorm,
+pre_llama, simplenorm_llama, peri, post, geonorm, deepnorm at d = 32 and 64 first.
+--quick: widths 32, two LRs, 60 steps, one seed: a smoke run, not a verdict.
+Writes results/lr_sensitivity/{results.csv, curves.csv, table.md, config.json, verdict.json,
+loss_vs_lr.png, sensitivity_vs_width.png}.
+Verdict (one of the papers' stability claims in Wortsman et al.'s terms): reproduced when
+simplenorm_llama's LR sensitivity is below pre_llama's at every width measured (paired over
+seeds, 95% t interval of the difference below 0 at each width), not at this scale when it is
+above at any width (Holm over the widths), unresolved otherwise, with fewer than two seeds,
+or whenever a deciding optimum is on its grid's edge.
+"""
+import math
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from geonorm_jax.studies import claims, stats, sweep  # pylint: disable=g-import-not-at-top
+
+NAME = "lr_sensitivity"
+CLAIM = ("SimpleNorm lowers Pre-LN's learning-rate sensitivity (the stability claims, read as "
+         "Wortsman et al.'s LR sensitivity)")
+PAPER_NUMBER = "SimpleGPT: 3-10x the LR; Wortsman et al.: QK-layernorm lowers LR sensitivity"
+LRS = "2.5e-4,5e-4,1e-3,2e-3,4e-3,8e-3,1.6e-2,3.2e-2,6.4e-2,0.128,0.256,0.512,1.024"
+SWEPT_LRS = {"judge": LRS}
+WIDTHS = "32,64,128"
+JUDGE_WIDTH = 128  # the judge scale's width: its runs are the shared LR-grid runs
+HEAD_DIM = 32
+GIVE_UP_STEPS = 100
+MARGIN = 0.05  # nats, as lr_tolerance
+SCALES = {
+    "judge": claims.Scale("configs/judge.py", "on_divergence=skip", "100",
+                          "judge scale (configs/judge.py: 4 blocks, character-level "
+                          "tinyshakespeare, 2000 steps x 16 x 128 tokens) at widths 32, 64, 128 "
+                          "(head dim 32); one wide LR grid per variant and width."),
+}
+CURVES = (("train", "loss"), ("eval", "loss"))
+LLAMA_VARIANTS = {"pre_llama": "size=tiny_llama,placement=pre",
+                  "simplenorm_llama": "size=tiny_llama,placement=simplenorm"}
+DEFAULT_VARIANTS = ("pre", "pre_qknorm", "pre_qknorm_full", "peri", "peri_dt0.1", "geonorm",
+                    "post", "deepnorm", "ngpt", "dyt", "pre_llama", "simplenorm_llama")
+DECIDING = ("pre_llama", "simplenorm_llama")  # (baseline, SimpleNorm)
+
+
+def add_arguments(parser):
+  parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma list of "
+                      f"{', '.join(LLAMA_VARIANTS)} and {', '.join(sweep.PLACEMENT_VARIANTS)}")
+  parser.add_argument("--widths", default=WIDTHS, help="comma list of d_model values (each a "
+                      f"multiple of the head dimension {HEAD_DIM})")
+
+
+def width_overrides(name, width):
+  """The overrides that set a variant's width; none at the judge width (shared runs)."""
+  if width == JUDGE_WIDTH:
+    return ""
+  parts = f"d_model={width},num_heads={width // HEAD_DIM}"
+  return parts + (f",d_ff={23 * width // 8}" if name in LLAMA_VARIANTS else "")
+
+
+def run_name(name, width):
+  return name if width == JUDGE_WIDTH else f"d{width}/{name}"
+
+
+def variant_overrides(name):
+  return LLAMA_VARIANTS[name] if name in LLAMA_VARIANTS else sweep.variant_overrides(name)
+
+
+def _widths(args):
+  try:
+    widths = [int(w) for w in args.widths.split(",")]
+  except ValueError:
+    raise SystemExit(f"--widths: {args.widths!r} is not a comma list of integers") from None
+  bad = [w for w in widths if w <= 0 or w % HEAD_DIM]
+  if bad:
+    raise SystemExit(f"--widths: {bad} are not positive multiples of the head dimension {HEAD_DIM}")
+  return widths
+
+
+def grid(args, scale):
+  del scale
+  names = args.variants.split(",")
+  steps = claims.steps_overrides(60) if args.quick else ""
+  if args.quick:
+    args.widths, args.lrs = "32", args.lrs or "1e-3,0.512"
+    names = [n for n in names if n in DECIDING] or names
+  return [claims.variant(run_name(name, width),
+                         claims.join(variant_overrides(name), width_overrides(name, width),
+                                     f"give_up_steps={GIVE_UP_STEPS}", steps),
+                         variant=name, width=width)
+          for width in _widths(args) for name in names]
+
+
+def initial_loss(curves, name):
+  """L0: the run's first logged train loss (NaN without one)."""
+  _, losses = claims.curve(curves, name, "loss")
+  return float(losses[0]) if len(losses) else float("nan")
+
+
+def sensitivity(losses, initial):
+  """Wortsman et al.'s LR sensitivity of one grid: mean of min(L, L0) minus min L, a
+  non-finite L counted at L0; NaN when no loss is finite or L0 is unknown."""
+  y = np.asarray(losses, float)
+  if not math.isfinite(initial) or not np.isfinite(y).any():
+    return float("nan")
+  capped = np.where(np.isfinite(y), np.minimum(y, initial), initial)
+  return float(capped.mean() - capped.min())
+
+
+def tolerance(lrs, losses, margin=MARGIN):
+  """(optimal LR, largest LR within `margin` of the optimum going up from it without a gap)."""
+  order = np.argsort(lrs)
+  x = np.asarray(lrs, float)[order]
+  y = np.asarray(losses, float)[order]
+  y = np.where(np.isfinite(y), y, np.inf)
+  if not np.isfinite(y).any():
+    return None, None
+  best = int(np.argmin(y))
+  top = best
+  while top + 1 < len(y) and y[top + 1] <= y[best] + margin:
+    top += 1
+  return float(x[best]), float(x[top])
+
+
+def by_grid(rows, curves):
+  """{(variant, width, seed): (lrs, losses, L0)} of the finished runs."""
+  out = {}
+  for row in rows:
+    key = (row["variant"], row["width"], row["seed"])
+    lrs, losses, initials = out.setdefault(key, ([], [], []))
+    lrs.append(row["lr"])
+    losses.append(row["final_eval_loss"])
+    initials.append(initial_loss(curves, row["name"]))
+  return {k: (lrs, losses, float(np.nanmax(initials)) if np.isfinite(initials).any()
+              else float("nan")) for k, (lrs, losses, initials) in out.items()}
+
+
+def summarize(rows, curves, config):
+  grids = by_grid(rows, curves)
+  cells = {}  # (variant, width) -> {seed: (S, optimum, top, at_edge)}
+  for (name, width, seed), (lrs, losses, l0) in grids.items():
+    optimum = claims.grid_optimum(lrs, losses)
+    best, top = tolerance(lrs, losses)
+    cells.setdefault((name, width), {})[seed] = (sensitivity(losses, l0), optimum, best, top)
+  widths = sorted({w for _, w in cells})
+  table = ["| variant | width | seeds | LR sensitivity (nats) | min-max | optimal lr | "
+           f"largest lr within {MARGIN} | x-fold |", "|---|---|---|---|---|---|---|---|"]
+  for (name, width), by_seed in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    s = [v[0] for v in by_seed.values()]
+    first = by_seed[min(by_seed)]
+    optimum, best, top = first[1], first[2], first[3]
+    opt = "-" if optimum.x is None else f"{optimum.x:g}" + (" (edge)" if optimum.at_edge else "")
+    fold = f"{top / best:g}" if best else "-"
+    table.append(f"| {name} | {width} | {len(s)} | {claims.fmt(s)} | "
+                 f"{min(s):.3f}-{max(s):.3f} | {opt} | {top if top else '-'} | {fold} |")
+  table += ["", f"LR sensitivity: mean over the LR grid of the final validation loss capped at "
+            "the loss at initialisation, minus the grid's best (Wortsman et al. 2023). Optimal lr, "
+            "tolerance and x-fold from the lowest seed's grid (the selection seed). Grid: "
+            f"{config['args'].get('lrs') or LRS}."]
+  holds, diffs = verdict_of(cells, widths)
+  result = "; ".join(f"simplenorm_llama - pre_llama at d={w}: {d.describe()}"
+                     for w, d in diffs.items()) or "the deciding variants have no grids yet"
+  figures = {
+      "loss_vs_lr.png": lambda fig: _plot_grids(fig, grids, widths),
+      "sensitivity_vs_width.png": lambda fig: _plot_sensitivity(fig, cells)}
+  return claims.Summary(table, claims.verdict(config, holds), result, figures)
+
+
+def verdict_of(cells, widths):
+  """(holds, {width: Difference of S, simplenorm_llama - pre_llama}) by the docstring's rule."""
+  diffs = {}
+  for width in widths:
+    base, simple = cells.get((DECIDING[0], width)), cells.get((DECIDING[1], width))
+    if not base or not simple:
+      continue
+    diffs[width] = stats.difference({k: v[0] for k, v in simple.items()},
+                                    {k: v[0] for k, v in base.items()})
+  edged = [c for name in DECIDING for w in widths for c in (cells.get((name, w)) or {}).values()
+           if c[1].at_edge or c[1].x is None]
+  if not diffs or len(diffs) < len(widths) or edged:
+    return None, diffs
+  if any(o == "higher" for o in stats.outcomes(diffs).values()):
+    return False, diffs
+  if all(d.outcome == "lower" for d in diffs.values()):
+    return True, diffs
+  return None, diffs
+
+
+def _plot_grids(figure, grids, widths):
+  for i, width in enumerate(widths):
+    axes = figure.add_subplot(1, len(widths), i + 1)
+    names = sorted({n for n, w, _ in grids if w == width})
+    for j, name in enumerate(names):
+      for seed in sorted(s for n, w, s in grids if n == name and w == width):
+        lrs, losses, l0 = grids[(name, width, seed)]
+        order = np.argsort(lrs)
+        y = np.minimum(np.where(np.isfinite(losses), losses, l0), l0)
+        axes.plot(np.asarray(lrs)[order], y[order], marker="o", ms=3, color=f"C{j % 10}",
+                  label=name if seed == min(s for n, w, s in grids if n == name) else None)
+    axes.set_xscale("log")
+    axes.set_title(f"d = {width}", fontsize=9)
+    axes.set_xlabel("peak learning rate")
+    if i == 0:
+      axes.set_ylabel("final validation loss, capped at init (nats)")
+    axes.grid(alpha=0.3)
+  figure.axes[-1].legend(fontsize=6)
+  figure.set_size_inches(4 * len(widths), 4)
+
+
+def _plot_sensitivity(figure, cells):
+  axes = figure.add_subplot(1, 1, 1)
+  for j, name in enumerate(sorted({n for n, _ in cells})):
+    widths = sorted(w for n, w in cells if n == name)
+    s = [[v[0] for v in cells[(name, w)].values()] for w in widths]
+    mean = [np.nanmean(x) for x in s]
+    axes.errorbar(widths, mean, yerr=[[m - np.nanmin(x) for m, x in zip(mean, s)],
+                                      [np.nanmax(x) - m for m, x in zip(mean, s)]],
+                  marker="o", capsize=3, color=f"C{j % 10}", label=name)
+  axes.set_xscale("log", base=2)
+  axes.set_xlabel("width d_model")
+  axes.set_ylabel("LR sensitivity (nats)")
+  axes.legend(fontsize=7, ncol=2)
+  axes.grid(alpha=0.3)
+
+
+if __name__ == "__main__":
+  claims.run(sys.modules[__name__])

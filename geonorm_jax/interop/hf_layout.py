@@ -53,9 +53,12 @@ def path_name(path):
 def assemble(sources, arrays):
   """{HF key: tensor} from {our path: array}: the inverse of Source.take over a whole table.
 
-  Every HF tensor is written from all the parameters that map onto it, so a fused tensor
-  with a part missing (or given twice) raises instead of being written short.
+  `arrays` must hold exactly the table's parameters, so no HF tensor is written short (a
+  fused one with a part missing) and none of ours is dropped.
   """
+  missing = [path_name(path) for path in sources if path not in arrays]
+  if missing:
+    raise ValueError(f"missing our {', '.join(missing)} (each part of a Hugging Face tensor)")
   by_key = collections.defaultdict(list)
   for path, array in arrays.items():
     if path not in sources:
@@ -65,14 +68,9 @@ def assemble(sources, arrays):
   for key, parts in by_key.items():
     source = parts[0][0]
     if source.layout == "fused":
-      got = sorted(s.part for s, _ in parts)
-      if got != list(range(source.parts)):
-        raise ValueError(f"Hugging Face tensor {key!r} packs {source.parts} parameters; "
-                         f"got parts {got}")
+      # Slices of equal width along the last axis, part 0 first (the table has each once).
       tensors[key] = np.concatenate([a for _, a in sorted(parts, key=lambda p: p[0].part)],
                                     axis=-1)
-    elif len(parts) > 1:
-      raise ValueError(f"{len(parts)} of our parameters map onto Hugging Face tensor {key!r}")
     else:
       tensors[key] = parts[0][1].T if source.layout == "transposed" else parts[0][1]
   return tensors
@@ -154,14 +152,14 @@ class Architecture:
 
 
 GPT2 = Architecture(
-    backbone="gpt2", family="GPT-2", model_type="gpt2", model_class="GPT2LMHeadModel", prefix="transformer.",
-    sources=_gpt2_sources, ignorable=_gpt2_ignorable,
+    backbone="gpt2", family="GPT-2", model_type="gpt2", model_class="GPT2LMHeadModel",
+    prefix="transformer.", sources=_gpt2_sources, ignorable=_gpt2_ignorable,
     config_fields=(("num_layers", "n_layer"), ("d_model", "n_embd"), ("num_heads", "n_head"),
                    ("d_ff", "n_inner"), ("vocab_size", "vocab_size"),
                    ("max_seq_len", "n_positions"), ("norm_eps", "layer_norm_epsilon")))
 LLAMA = Architecture(
-    backbone="llama", family="LLaMA", model_type="llama", model_class="LlamaForCausalLM", prefix="model.",
-    sources=_llama_sources, ignorable=_llama_ignorable,
+    backbone="llama", family="LLaMA", model_type="llama", model_class="LlamaForCausalLM",
+    prefix="model.", sources=_llama_sources, ignorable=_llama_ignorable,
     config_fields=(("num_layers", "num_hidden_layers"), ("d_model", "hidden_size"),
                    ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
                    ("d_ff", "intermediate_size"), ("vocab_size", "vocab_size"),

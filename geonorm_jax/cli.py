@@ -23,6 +23,9 @@ Commands:
            (results/<claim>/, written by experiments/<claim>.py) from their files alone.
   prepare  Your corpus (text, .jsonl, .parquet: --input) -> token shards in --output_dir
            (--tokenizer=byte|gpt2, --val_tokens); prints the config overrides to train on them.
+  export   A checkpoint (--step, default the latest) as a Hugging Face `transformers`
+           folder in --out (config.json + model.safetensors, for from_pretrained): Pre-LN
+           on gpt2 is GPT2LMHeadModel, on llama LlamaForCausalLM; anything else is refused.
 
 Examples:
   python -m geonorm_jax train --config=configs/tiny.py --workdir=/tmp/tiny
@@ -32,6 +35,7 @@ Examples:
   python -m geonorm_jax hessian --workdir=/tmp/tiny --workdir=/tmp/geo --step=all
   python -m geonorm_jax main --workdir=runs/main
   python -m geonorm_jax prepare --input='corpus/*.jsonl' --output_dir=data/my_corpus
+  python -m geonorm_jax export --workdir=/tmp/tiny --out=/tmp/tiny_hf
 
 Config files live in configs/; each one's docstring gives its exact command.
 
@@ -48,15 +52,15 @@ from ml_collections import config_flags
 
 from geonorm_jax.data import prepare  # defines the prepare command's flags
 
-COMMANDS = ("train", "eval", "sample", "hessian", "main", "prepare", "report")
+COMMANDS = ("train", "eval", "sample", "hessian", "main", "prepare", "report", "export")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, `configs/FILE.py` or `configs/FILE.py:ARG`; override keys "
     "with --config.SECTION.KEY=VALUE.", lock_config=True)
 _WORKDIR = flags.DEFINE_multi_string("workdir", None, "Run directory: checkpoints, metrics, "
                                      "config. hessian accepts several.")
-_STEP = flags.DEFINE_string("step", None, "Checkpoint step for eval/sample/hessian; default the "
-                            "latest. hessian also takes `all`.")
+_STEP = flags.DEFINE_string("step", None, "Checkpoint step for eval/sample/hessian/export; "
+                            "default the latest. hessian also takes `all`.")
 _PROMPT = flags.DEFINE_string("prompt", "The ", "sample: text to continue.")
 _NUM_TOKENS = flags.DEFINE_integer("num_tokens", None, "sample: tokens to generate; "
                                    "default config.train.sample_tokens.")
@@ -76,7 +80,8 @@ _EIGENVALUES = flags.DEFINE_integer("eigenvalues", 10, "hessian: how many top ei
 _HVP = flags.DEFINE_enum("hvp", "linearized", ["linearized", "recomputed"], "hessian: linearize "
                          "the gradient once (fast) or recompute it per product (less memory).")
 _OUT = flags.DEFINE_string("out", None, "hessian with several --workdir: where the comparison "
-                           "figures go; default hessian_compare/ next to the runs.")
+                           "figures go; default hessian_compare/ next to the runs. export: the "
+                           "new (or empty) folder to write.")
 flags.adopt_module_key_flags(prepare)  # --help lists them with the others
 
 
@@ -220,6 +225,18 @@ def run_hessian():
   _print_json(result)
 
 
+def run_export():
+  from geonorm_jax.interop import export  # pylint: disable=g-import-not-at-top
+  workdir = _require_workdir()
+  if not _OUT.value:
+    raise CommandError("`export` needs --out=DIR, a new (or empty) folder")
+  try:
+    result = export.export(workdir, _OUT.value, step=_step())
+  except (FileNotFoundError, ValueError) as e:  # not a run, a placement HF lacks, DIR not empty
+    raise CommandError(str(e)) from None
+  _print_json(result)
+
+
 def run_main():
   from geonorm_jax import main_job  # pylint: disable=g-import-not-at-top
   main_job.run(_require_workdir())
@@ -246,7 +263,7 @@ def run_report(*results_dirs):
 
 _RUNNERS = {"train": run_train, "eval": run_eval, "sample": run_sample,
             "hessian": run_hessian, "main": run_main, "prepare": run_prepare,
-            "report": run_report}
+            "report": run_report, "export": run_export}
 
 
 def _exit_code(err):

@@ -7,7 +7,9 @@ import sys
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TEST_ONLY = ("torch", "transformers", "pytest", "nbclient", "nbformat", "ipykernel")
+# safetensors comes with transformers; export writes the format with numpy alone.
+TEST_ONLY = ("torch", "transformers", "safetensors", "pytest", "nbclient", "nbformat",
+             "ipykernel")
 
 
 def _setup_kwargs():
@@ -52,6 +54,7 @@ def test_make_run_installs_without_test_extras_and_make_test_with_them(tmp_path)
 def test_main_job_and_cli_import_no_test_only_package():
   code = ("import sys\n"
           "import geonorm_jax.cli, geonorm_jax.main_job, geonorm_jax.data.prepare\n"
+          "import geonorm_jax.interop.export\n"
           f"print(sorted(m for m in {TEST_ONLY!r} if m in sys.modules))\n")
   result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=120, check=False,

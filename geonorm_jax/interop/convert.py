@@ -6,23 +6,25 @@ between the unrolled and the `model.scan_layers` layout (`stack_layers`, `unstac
 
 Each converter first turns the HF config into ours and refuses every HF option our model
 does not implement (a silently different architecture is worse than an error). Then every
-one of our parameters is filled from exactly one HF tensor: a missing key, a shape mismatch
-or a left-over HF tensor raises, naming the HF key. The model is assembled from the abstract
+one of our parameters is filled from exactly one HF tensor, as hf_layout's table says (the
+table export.py reads the other way): a missing key, a shape mismatch or a left-over HF
+tensor raises, naming the HF key. The model is assembled from the abstract
 parameter tree, so no random weights are drawn (or allocated twice) for a large checkpoint.
 """
 import collections
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from geonorm_jax.interop import hf_layout
+from geonorm_jax.interop.hf_layout import path_name
 from geonorm_jax.nn import model as model_lib
 from geonorm_jax.nn.spec import resolve
 from geonorm_jax.training import config as config_lib
 
 # GPT-2 activations that are all the tanh approximation of GELU (our MLP's only GELU).
-_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 
 def to_numpy(state_dict):
@@ -41,82 +43,6 @@ def to_numpy(state_dict):
   return arrays
 
 
-# --- Where each of our parameters comes from -------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Source:
-  """One HF tensor and how it lays out onto one of our parameters.
-
-  layout: `same`; `transposed` (torch nn.Linear stores (out, in), our kernels are (in, out));
-  `fused` (slice `part` of `parts` equal slices along the last axis: GPT-2's c_attn packs
-  q, k and v side by side).
-  """
-  key: str
-  layout: str = "same"
-  part: int = 0
-  parts: int = 1
-
-  def hf_shape(self, our_shape):
-    """The shape the HF tensor must have for our parameter to have `our_shape`."""
-    our_shape = tuple(our_shape)
-    if self.layout == "transposed":
-      return our_shape[::-1]
-    if self.layout == "fused":
-      return our_shape[:-1] + (our_shape[-1] * self.parts,)
-    return our_shape
-
-  def take(self, array):
-    if self.layout == "transposed":
-      return array.T
-    if self.layout == "fused":
-      width = array.shape[-1] // self.parts
-      return array[..., self.part * width:(self.part + 1) * width]
-    return array
-
-
-def _gpt2_sources(spec):
-  sources = {("embed",): _Source("wte.weight"), ("positions",): _Source("wpe.weight")}
-  for i in range(spec.num_layers):
-    hf, ours = f"h.{i}", ("blocks", i)
-    for norm_hf, norm_ours in (("ln_1", "attn_in_norm"), ("ln_2", "mlp_in_norm")):
-      sources[ours + (norm_ours, "gain")] = _Source(f"{hf}.{norm_hf}.weight")
-      sources[ours + (norm_ours, "bias")] = _Source(f"{hf}.{norm_hf}.bias")
-    for part, name in enumerate(("q", "k", "v")):
-      for param in ("kernel", "bias"):
-        hf_param = "weight" if param == "kernel" else "bias"
-        sources[ours + ("attn", name, param)] = _Source(
-            f"{hf}.attn.c_attn.{hf_param}", "fused", part=part, parts=3)
-    # Conv1D already stores (in, out), the layout of our kernels.
-    for hf_linear, ours_linear in (("attn.c_proj", ("attn", "o")), ("mlp.c_fc", ("mlp", "up")),
-                                   ("mlp.c_proj", ("mlp", "down"))):
-      sources[ours + ours_linear + ("kernel",)] = _Source(f"{hf}.{hf_linear}.weight")
-      sources[ours + ours_linear + ("bias",)] = _Source(f"{hf}.{hf_linear}.bias")
-  sources[("final_norm", "gain")] = _Source("ln_f.weight")
-  sources[("final_norm", "bias")] = _Source("ln_f.bias")
-  if not spec.tie_embeddings:
-    sources[("head",)] = _Source("lm_head.weight", "transposed")
-  return sources
-
-
-def _llama_sources(spec):
-  sources = {("embed",): _Source("embed_tokens.weight")}
-  for i in range(spec.num_layers):
-    hf, ours = f"layers.{i}", ("blocks", i)
-    sources[ours + ("attn_in_norm", "gain")] = _Source(f"{hf}.input_layernorm.weight")
-    sources[ours + ("mlp_in_norm", "gain")] = _Source(f"{hf}.post_attention_layernorm.weight")
-    for name in ("q", "k", "v", "o"):
-      sources[ours + ("attn", name, "kernel")] = _Source(
-          f"{hf}.self_attn.{name}_proj.weight", "transposed")
-    for name in ("gate", "up", "down"):
-      sources[ours + ("mlp", name, "kernel")] = _Source(
-          f"{hf}.mlp.{name}_proj.weight", "transposed")
-  sources[("final_norm", "gain")] = _Source("norm.weight")
-  if not spec.tie_embeddings:
-    sources[("head",)] = _Source("lm_head.weight", "transposed")
-  return sources
-
-
 # --- Loading ---------------------------------------------------------------------------------
 
 
@@ -125,44 +51,48 @@ def _strip_prefix(state_dict, prefix):
   return {(key[len(prefix):] if key.startswith(prefix) else key): key for key in state_dict}
 
 
-def _path_name(path):
-  return ".".join(str(part) for part in path)
+def _load(config, state_dict, architecture):
+  """Our model with every parameter taken from `state_dict` as the architecture's table says.
 
-
-def _load(config, state_dict, sources, prefix, ignorable):
-  """Our model with every parameter taken from `state_dict` as `sources` says.
-
-  Keys in `sources` omit the base-model `prefix`; ignorable(short_key) names HF tensors that
-  are fine to leave unused (buffers, a tied head).
+  The table's keys omit the base-model prefix; architecture.ignorable(short_key) names HF
+  tensors that are fine to leave unused (buffers, a tied head).
   """
-  full_keys = _strip_prefix(state_dict, prefix)
+  sources = architecture.sources(resolve(config.model))
+  full_keys = _strip_prefix(state_dict, architecture.prefix)
   graphdef, abstract_state = model_lib.abstract_params(config.model)
   loaded, used = [], set()
   for path, variable in nnx.to_flat_state(abstract_state):
     if path not in sources:
-      raise ValueError(f"no Hugging Face tensor maps to our parameter {_path_name(path)}")
+      raise ValueError(f"no Hugging Face tensor maps to our parameter {path_name(path)}")
     source = sources[path]
     if source.key not in full_keys:
       raise ValueError(f"Hugging Face key {source.key!r} is missing from the state dict "
-                       f"(needed for our {_path_name(path)})")
+                       f"(needed for our {path_name(path)})")
     full_key = full_keys[source.key]
     array = np.asarray(state_dict[full_key])
     expected = source.hf_shape(variable.shape)
     if array.shape != expected:
       raise ValueError(f"Hugging Face key {full_key!r} has shape {array.shape}, but our "
-                       f"{_path_name(path)} {tuple(variable.shape)} needs {expected}")
+                       f"{path_name(path)} {tuple(variable.shape)} needs {expected}")
     loaded.append((path, variable.replace(jnp.asarray(source.take(array), jnp.float32))))
     used.add(source.key)
-  unused = sorted(full_keys[k] for k in full_keys if k not in used and not ignorable(k))
+  unused = sorted(full_keys[k] for k in full_keys
+                  if k not in used and not architecture.ignorable(k))
   if unused:
     raise ValueError(f"Hugging Face tensors with no place in our model: {', '.join(unused)}")
   return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
-def _our_config(**model_fields):
-  """The base config, Pre-LN, with the HF architecture written into config.model."""
+def _our_config(architecture, hf_config, **model_fields):
+  """The base config, Pre-LN on the architecture's backbone, with the HF config's dimensions
+  (architecture.config_fields) and `model_fields` written into config.model."""
   config = config_lib.get_base_config()
   config.model.placement = "pre"
+  config.model.backbone = architecture.backbone
+  for ours, hf in architecture.config_fields:
+    value = getattr(hf_config, hf)
+    # An HF None is HF's default, which our 0 means too (hf_layout.Architecture).
+    config.model[ours] = type(config.model[ours])(0 if value is None else value)
   for name, value in model_fields.items():
     config.model[name] = value
   config.data.seq_len = min(config.data.seq_len, config.model.max_seq_len)
@@ -189,9 +119,9 @@ def gpt2_config(hf_config):
   problems = []
   if getattr(c, "model_type", "gpt2") != "gpt2":
     problems.append(f"model_type={c.model_type!r} (expected 'gpt2')")
-  if c.activation_function not in _TANH_GELUS:
+  if c.activation_function not in TANH_GELUS:
     problems.append(f"activation_function={c.activation_function!r} (our GELU is the tanh "
-                    f"approximation: {', '.join(_TANH_GELUS)})")
+                    f"approximation: {', '.join(TANH_GELUS)})")
   if not getattr(c, "scale_attn_weights", True):
     problems.append("scale_attn_weights=False (we always scale scores by 1/sqrt(head_dim))")
   if getattr(c, "scale_attn_by_inverse_layer_idx", False):
@@ -199,23 +129,14 @@ def gpt2_config(hf_config):
   if getattr(c, "add_cross_attention", False):
     problems.append("add_cross_attention=True")
   _unsupported("GPT-2", problems)
-  return _our_config(
-      backbone="gpt2", num_layers=c.n_layer, d_model=c.n_embd, num_heads=c.n_head,
-      d_ff=c.n_inner or 0, vocab_size=c.vocab_size, max_seq_len=c.n_positions,
-      norm_kind="layernorm", norm_eps=float(c.layer_norm_epsilon),
-      tie_embeddings=_bool_text(getattr(c, "tie_word_embeddings", True)))
-
-
-def _gpt2_ignorable(short_key):
-  # Causal-mask buffers of older transformers versions; the tied head is our `embed`.
-  return short_key.endswith((".attn.bias", ".attn.masked_bias")) or short_key == "lm_head.weight"
+  return _our_config(hf_layout.GPT2, c, norm_kind="layernorm",
+                     tie_embeddings=_bool_text(getattr(c, "tie_word_embeddings", True)))
 
 
 def from_hf_gpt2(state_dict, hf_config):
   """(config, model) from an HF GPT-2 state dict (numpy arrays, see to_numpy) and GPT2Config."""
   config = gpt2_config(hf_config)
-  sources = _gpt2_sources(resolve(config.model))
-  return config, _load(config, state_dict, sources, "transformer.", _gpt2_ignorable)
+  return config, _load(config, state_dict, hf_layout.GPT2)
 
 
 # --- LLaMA -----------------------------------------------------------------------------------
@@ -251,24 +172,14 @@ def llama_config(hf_config):
   if head_dim and head_dim * c.num_attention_heads != c.hidden_size:
     problems.append(f"head_dim={head_dim} != hidden_size/num_attention_heads")
   _unsupported("LLaMA", problems)
-  return _our_config(
-      backbone="llama", num_layers=c.num_hidden_layers, d_model=c.hidden_size,
-      num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads or 0,
-      d_ff=c.intermediate_size, vocab_size=c.vocab_size, max_seq_len=c.max_position_embeddings,
-      norm_kind="rmsnorm", norm_eps=float(c.rms_norm_eps), rope_theta=_llama_rope_theta(c),
-      tie_embeddings=_bool_text(getattr(c, "tie_word_embeddings", False)))
-
-
-def _llama_ignorable(short_key):
-  # Rotary tables are recomputed; a tied head is our `embed`.
-  return short_key.endswith("rotary_emb.inv_freq") or short_key == "lm_head.weight"
+  return _our_config(hf_layout.LLAMA, c, norm_kind="rmsnorm", rope_theta=_llama_rope_theta(c),
+                     tie_embeddings=_bool_text(getattr(c, "tie_word_embeddings", False)))
 
 
 def from_hf_llama(state_dict, hf_config):
   """(config, model) from an HF LLaMA state dict (numpy arrays, see to_numpy) and LlamaConfig."""
   config = llama_config(hf_config)
-  sources = _llama_sources(resolve(config.model))
-  return config, _load(config, state_dict, sources, "model.", _llama_ignorable)
+  return config, _load(config, state_dict, hf_layout.LLAMA)
 
 
 # --- Our two layouts (model.scan_layers) -----------------------------------------------------
@@ -290,7 +201,7 @@ def stack_layers(state):
     if path[0] != "blocks":
       others.append((path, variable))
     elif _is_stacked(variable):
-      raise ValueError(f"{_path_name(path)} is already stacked along `layers`: the state is in "
+      raise ValueError(f"{path_name(path)} is already stacked along `layers`: the state is in "
                        "the scan_layers layout")
     else:
       per_name[path[2:]][int(path[1])] = variable
@@ -301,7 +212,7 @@ def stack_layers(state):
   stacked = []
   for rest, layers in per_name.items():
     if sorted(layers) != list(range(len(layers))):
-      raise ValueError(f"blocks.*.{_path_name(rest)}: block indices {sorted(layers)} are not "
+      raise ValueError(f"blocks.*.{path_name(rest)}: block indices {sorted(layers)} are not "
                        "0..T-1")
     first = layers[0]
     axes = tuple(first.get_metadata().get("logical_axes") or ())
@@ -318,7 +229,7 @@ def unstack_layers(state):
       out.append((path, variable))
       continue
     if not _is_stacked(variable):
-      raise ValueError(f"{_path_name(path)} has no leading `layers` axis: the state is not in "
+      raise ValueError(f"{path_name(path)} has no leading `layers` axis: the state is not in "
                        "the scan_layers layout")
     axes = tuple(variable.get_metadata()["logical_axes"])[1:]
     value = variable[...]

@@ -589,7 +589,8 @@ def _train_locked(config, workdir, setup, restore_step, loggers):
   return summary
 
 
-def _config_from_workdir(workdir):
+def config_from_workdir(workdir):
+  """The config a run was trained with (workdir/config.json)."""
   path = os.path.join(workdir, checkpoint_lib.CONFIG_FILENAME)
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} not found: is {workdir} a training run's workdir?")
@@ -606,7 +607,7 @@ def restore_params(workdir, step=None, config=None):
   (eval may read other data); a newest checkpoint that cannot be read is reported and the
   previous one used.
   """
-  config = _config_from_workdir(workdir) if config is None else config
+  config = config_from_workdir(workdir) if config is None else config
   setup = make_setup(config)
   ckpt = checkpoint_lib.Checkpointer(workdir, config.checkpoint, read_only=True)
   try:

@@ -105,6 +105,14 @@ def get_base_config() -> ml_collections.ConfigDict:
   # the last finite checkpoint) | skip (the update is dropped inside the jitted step, counted).
   train.on_divergence = "stop"
   train.spike_factor = 3.0  # log a loss spike event when loss > factor x running median; 0 = off
+  # Weights & Biases (training/tracking.py; `pip install -e ".[wandb]"`): off | online |
+  # offline (files in WORKDIR/wandb/, no network; `wandb sync` uploads them later).
+  train.wandb = "off"
+  train.wandb_project = "geonorm_jax"
+  train.wandb_entity = ""  # "" = the W&B account's default entity
+  train.wandb_group = ""  # "" = no group
+  train.wandb_name = ""  # display name; "" = the workdir's folder name
+  train.wandb_id = ""  # "" = from the workdir (tracking.run_id): a resume continues the run
 
   ckpt = config.checkpoint = ml_collections.ConfigDict()
   ckpt.every = 100

@@ -28,14 +28,17 @@ setup(
         # TPU VM (libtpu). Without an extra, jax runs on the CPU.
         "cuda12": ["jax[cuda12]==0.10.2"],
         "tpu": ["jax[tpu]==0.10.2"],
+        # Weights & Biases tracking (train.wandb=online|offline), imported only when it is on.
+        "wandb": ["wandb==0.31.0"],
         # Only the test suite needs these. torch 2.13.0 is pinned exactly to its CPU wheel
         # (the Hugging Face parity tests need no GPU), which keeps pip from pulling a
-        # multi-GB CUDA build.
+        # multi-GB CUDA build. wandb: the suite runs train.wandb=offline.
         "test": [
             "pytest==9.2.0",
             "hypothesis==6.170.17",
             "torch==2.13.0",
             "transformers==5.24.0",
+            "wandb==0.31.0",
             "nbformat",
             "nbclient",
             "ipykernel",

@@ -389,6 +389,10 @@ def test_rerunning_a_finished_run_says_so_and_leaves_its_files_alone(reference, 
     ("mesh.distributed=maybe", "mesh.distributed"),
     ("train.on_divergence=ignore", "train.on_divergence"),
     ("train.spike_factor=0.5", "train.spike_factor"),
+    ("train.wandb=maybe", "train.wandb"),
+    ("train.wandb=online,train.wandb_project=", "train.wandb_project"),
+    ("train.wandb=offline,train.wandb_project=team/study", "train.wandb_project"),
+    ("train.wandb=offline,train.wandb_id=run:1", "train.wandb_id"),
 ])
 def test_invalid_values_are_refused_naming_the_field(override, field):
   with pytest.raises(ValueError) as info:

@@ -110,6 +110,14 @@ def get_base_config() -> ml_collections.ConfigDict:
   # the capped loss anyway: it evaluates, writes its summary (gave_up_step) and ends.
   train.give_up_steps = 0
   train.spike_factor = 3.0  # log a loss spike event when loss > factor x running median; 0 = off
+  # Weights & Biases (training/tracking.py; `pip install -e ".[wandb]"`): off | online |
+  # offline (files in WORKDIR/wandb/, no network; `wandb sync` uploads them later).
+  train.wandb = "off"
+  train.wandb_project = "geonorm_jax"
+  train.wandb_entity = ""  # "" = the W&B account's default entity
+  train.wandb_group = ""  # "" = no group
+  train.wandb_name = ""  # display name; "" = the workdir's folder name
+  train.wandb_id = ""  # "" = from the workdir (tracking.run_id): a resume continues the run
 
   ckpt = config.checkpoint = ml_collections.ConfigDict()
   ckpt.every = 100

@@ -4,7 +4,8 @@ Three independent parts:
 
 * `MetricsWriter` writes every scalar twice: tensorboard events (for looking) and
   `metrics.jsonl` (for notebooks and experiment scripts, which should not need
-  tensorboard to read a number back). Only process 0 writes.
+  tensorboard to read a number back), and a third time to W&B when a tracker is
+  given (training/tracking.py, `train.wandb`). Only process 0 writes.
 * Pure JAX statistics (`residual_stats`, `per_layer_norms`, `update_ratio`,
   `angle_between`, `max_angle_between`) that run inside the jitted train step and return dicts of
   scalars, so the host only ever transfers a handful of floats.
@@ -43,15 +44,19 @@ class MetricsWriter:
   Every other process is a no-op, so the train loop can call it unconditionally.
   The tensorboard writer is created lazily so that a resumed run can first call
   `truncate_after` and have tensorboard hide the events it is about to redo.
+  `tracker` (a tracking.WandbTracker) also gets every scalar, as `split/name`; its run
+  is the caller's to finish, since the summary comes after the writer closes.
   """
 
-  def __init__(self, workdir: str | os.PathLike, is_main_process: bool | None = None):
+  def __init__(self, workdir: str | os.PathLike, is_main_process: bool | None = None,
+               tracker=None):
     if is_main_process is None:
       is_main_process = jax.process_index() == 0
     self.is_main_process = is_main_process
     self.workdir = os.fspath(workdir)
     self.metrics_path = os.path.join(self.workdir, METRICS_FILENAME)
     self.events_dir = os.path.join(self.workdir, EVENTS_SUBDIR)
+    self.tracker = tracker
     self._summary_writer = None
     self._jsonl_file: TextIO | None = None
     # Tensorboard hides every event at or after this step that came from an
@@ -97,6 +102,8 @@ class MetricsWriter:
     jsonl.write(json.dumps(record) + "\n")
     # Flushed every call so a killed run loses at most the line being written.
     jsonl.flush()
+    if self.tracker is not None:
+      self.tracker.log(step, split, values)
 
   def write_text(self, tag: str, text: str, step: int = 0):
     """Logs a text blob, e.g. the resolved config, as a tensorboard text summary."""

@@ -36,7 +36,7 @@ from geonorm_jax.training import checkpoint as checkpoint_lib
 from geonorm_jax.training import collapse
 from geonorm_jax.training import compile_options
 from geonorm_jax.training import config as config_lib
-from geonorm_jax.training import metrics, optim
+from geonorm_jax.training import metrics, optim, tracking
 from geonorm_jax.training import validate as validate_lib
 
 
@@ -67,6 +67,7 @@ class DivergenceError(RuntimeError):
 def validate(config, num_devices=None):
   """Every config error, before any compilation: fields, model, optimizer, mesh and data."""
   validate_lib.check_fields(config)
+  tracking.check_installed(config.train)
   spec = spec_lib.resolve(config.model)
   if config.data.seq_len % spec.loss_chunks:
     raise ValueError(f"model.loss_chunks={spec.loss_chunks} does not divide "
@@ -455,11 +456,14 @@ def _train_locked(config, workdir, setup, restore_step, loggers):
             "--config.train.steps to train further.", file=sys.stderr, flush=True)
       ckpt.close()
       return {**metrics.read_summary(workdir), "final_step": latest, "already_finished": True}
+    # W&B (train.wandb) starts before config.json and the metrics are rewritten, so a run
+    # that W&B refuses (no API key, no network) changes nothing there.
+    tracker = tracking.start(config, workdir)
   except BaseException:
     ckpt.close()
     raise
   checkpoint_lib.save_config_json(workdir, config)
-  writer = metrics.MetricsWriter(workdir)
+  writer = metrics.MetricsWriter(workdir, tracker=tracker)
   # Metrics never run ahead of the last durable step: whatever a crashed run logged after
   # its newest readable checkpoint (or at all, without one) is redone, so it goes.
   writer.truncate_after(latest or 0)
@@ -574,6 +578,10 @@ def _train_locked(config, workdir, setup, restore_step, loggers):
     if pending is not None:
       log_train(*pending)
     ckpt.wait()  # the final save is on disk before the summary says so
+  except BaseException:
+    if tracker is not None:
+      tracker.finish(exit_code=1)  # marked failed in W&B; the error goes on up
+    raise
   finally:
     bar.close()
     ckpt.close()
@@ -586,6 +594,8 @@ def _train_locked(config, workdir, setup, restore_step, loggers):
              "loss_spikes": run.spikes, "collapse_step": monitor.first_step,
              "gave_up_step": run.gave_up_step}
   _write_summary(workdir, summary)
+  if tracker is not None:
+    tracker.finish(summary)
   return summary
 
 

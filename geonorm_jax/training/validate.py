@@ -8,6 +8,11 @@ import math
 
 DIVERGENCE_POLICIES = ("stop", "skip")
 DISTRIBUTED_MODES = ("auto", "true", "false")
+WANDB_MODES = ("off", "online", "offline")
+# Characters W&B refuses in a project name and in a run id (its own checks, which fail only
+# when the run starts, in a message that names no field of ours).
+_WANDB_PROJECT_CHARS = "/\\#?%:"
+_WANDB_ID_CHARS = ":;,#?/'"
 
 
 class _Checker:
@@ -76,6 +81,9 @@ def check_fields(config):
   spike = check.finite("train.spike_factor")
   if spike != 0 and spike <= 1:
     check.fail("train.spike_factor", "must be > 1 (or 0 = off)")
+  check.choice("train.wandb", WANDB_MODES)
+  if str(config.train.wandb).lower() != "off":
+    _check_wandb_names(check, config.train)
 
   check.non_negative("checkpoint.every", "0 = only the final step")
   check.non_negative("checkpoint.keep_last", "0 = keep all")
@@ -93,3 +101,16 @@ def check_fields(config):
   # Model fields that spec.resolve accepts but that make the loss NaN (or meaningless) later.
   for field in ("model.geo_alpha", "model.ngpt_alpha_init", "model.rope_theta"):
     check.positive(field)
+
+
+def _check_wandb_names(check, train):
+  if not train.wandb_project.strip():
+    check.fail("train.wandb_project", "must name a W&B project")
+  if len(train.wandb_project) > 128:
+    check.fail("train.wandb_project", "must be at most 128 characters")
+  for name, refused in (("wandb_project", _WANDB_PROJECT_CHARS), ("wandb_id", _WANDB_ID_CHARS)):
+    found = sorted(set(refused) & set(train[name]))
+    if found:
+      check.fail(f"train.{name}", f"may not contain {' '.join(found)} (W&B refuses them)")
+  if train.wandb_id != train.wandb_id.strip():
+    check.fail("train.wandb_id", "may not start or end with whitespace")

@@ -19,7 +19,7 @@ from geonorm_jax.training import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = ("norm_zoo", "geonorm_decay", "seq_length", "update_balance", "lr_tolerance",
-               "depth_growth", "residual_step", "divergence_trials")
+               "depth_growth", "residual_step", "divergence_trials", "lr_sensitivity")
 # One layer of width 32, three steps: each run is a few seconds of compilation.
 TINY = ("steps=3,warmup_steps=1,eval_batches=1,eval_every=3,checkpoint.every=3,"
         "layer_stats_every=2,log_every=1,model.d_model=32,model.num_heads=2,async_save=false")
@@ -41,13 +41,17 @@ SMALLEST = {
                      ["rms_per_block.png"]),
     "residual_step": (["--variants=peri", "--dts=0.1"], ["loss_vs_dt.png"]),
     "divergence_trials": (["--variants=pre", "--weight_decays=0"], ["loss_curves.png"]),
+    # One width, two LRs: the LR-sensitivity number of a two-point grid.
+    "lr_sensitivity": (["--variants=pre_llama", "--widths=32", "--lrs=1e-3,2e-3"],
+                       ["loss_vs_lr.png", "sensitivity_vs_width.png"]),
 }
 # Rows of the smallest settings, when not one (a tuned one: selection and final runs).
-RUNS = {"depth_growth": 2, "norm_zoo": 4, "lr_tolerance": 2}
+RUNS = {"depth_growth": 2, "norm_zoo": 4, "lr_tolerance": 2, "lr_sensitivity": 2}
 LABELS = {"norm_zoo": ["variant", "lr", "stage"], "geonorm_decay": ["schedule", "alpha", "counter"],
           "seq_length": ["variant", "seq_len"], "update_balance": ["variant"],
           "lr_tolerance": ["variant", "lr", "stage"], "depth_growth": ["phase", "variant", "depth"],
-          "residual_step": ["variant", "dt"], "divergence_trials": ["variant", "weight_decay"]}
+          "residual_step": ["variant", "dt"], "divergence_trials": ["variant", "weight_decay"],
+          "lr_sensitivity": ["variant", "width", "lr", "stage"]}
 
 
 def load(name):

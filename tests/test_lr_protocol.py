@@ -95,6 +95,24 @@ def test_a_finished_run_of_another_config_is_an_error(tmp_path):
     sweep.check_finished(changed)
 
 
+def test_give_up_steps_only_matters_for_a_run_that_gave_up(tmp_path):
+  """The LR-sensitivity sweep sets train.give_up_steps and shares the LR-grid runs that did
+  not: a finished run that never gave up computed the same numbers, one that gave up did not."""
+  run = sweep.Run("pre/seed0", "configs/judge.py", "placement=pre", 0, str(tmp_path))
+  os.makedirs(run.workdir)
+  checkpoint.save_config_json(run.workdir, run.config())
+  summary = os.path.join(run.workdir, "summary.json")
+  with open(summary, "w") as f:
+    json.dump({"final_eval_loss": 2.0, "gave_up_step": None}, f)
+  with_give_up = sweep.Run("pre/seed0", "configs/judge.py", "placement=pre,give_up_steps=100",
+                           0, str(tmp_path))
+  sweep.check_finished(with_give_up)
+  with open(summary, "w") as f:
+    json.dump({"final_eval_loss": 5.0, "gave_up_step": 300}, f)
+  with pytest.raises(SystemExit, match="train.give_up_steps: 0 != 100"):
+    sweep.check_finished(with_give_up)
+
+
 def test_core_groups_split_the_cores_between_jobs():
   assert sweep.core_groups(2, [0, 1]) == [{0}, {1}]
   assert sweep.core_groups(2, [0, 1, 2, 3]) == [{0, 1}, {2, 3}]

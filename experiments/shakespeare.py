@@ -17,7 +17,7 @@ from geonorm_jax.studies import sweep
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILE = "configs/shakespeare.py"
 TARGET = 2.5
-DEFAULT_VARIANTS = ("pre", "post", "peri", "peri_dt0.1", "deepnorm", "geonorm",
+DEFAULT_VARIANTS = ("pre", "post", "peri", "peri_dt0.1", "reordered", "deepnorm", "geonorm",
                     "geonorm_constant", "geonorm_sqrt", "geonorm_linear", "geonorm_linear_paper",
                     "simplenorm", "lns", "mixln", "ngpt", "dyt")
 

@@ -160,6 +160,22 @@ def test_norm_zoo_rule(geonorm, edge, expected):
     assert "optimum at the grid edge" in summary.result
 
 
+@pytest.mark.parametrize("geonorm,expected", [([1.55, 1.57, 1.56], "reproduced"),
+                                              ([1.65, 1.67, 1.66], "not at this scale")])
+def test_norm_zoo_reports_reordered_without_reading_it(geonorm, expected):
+  """OLMo 2's reordered norm runs by default and gets its table row, but the verdict is the
+  claim's: reordered far below GeoNorm, or tuned on the grid's edge, changes nothing."""
+  zoo = claims.load_experiment("norm_zoo")
+  assert "reordered" in zoo.DEFAULT_VARIANTS and "reordered" not in zoo.BASELINES
+  for reordered_edge in ((), ("reordered",)):
+    rows = _zoo_rows({**BASE, "geonorm": geonorm, "reordered": [1.40, 1.41, 1.42]},
+                     reordered_edge)
+    summary = zoo.summarize(rows, [], CONFIG)
+    assert summary.verdict == expected, summary.result
+    assert "reordered" not in summary.result
+    assert any(line.startswith("| reordered | ") for line in summary.table)
+
+
 def test_norm_zoo_waits_for_every_baseline():
   """GeoNorm clearly above Pre-LN, the other baselines not run: Holm's family is all four."""
   zoo = claims.load_experiment("norm_zoo")

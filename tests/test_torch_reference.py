@@ -9,13 +9,15 @@ in float32, the reference in float64, so the tolerance bounds geonorm_jax's own 
 A norm moved, dropped or doubled changes the logits, and a norm that exists on one side only
 is a missing parameter.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from geonorm_jax.nn import losses, model as model_lib, paths
+from geonorm_jax.nn import losses, model as model_lib, paths, placements
 from geonorm_jax.training import config as config_lib
 
 torch = pytest.importorskip("torch")
@@ -42,6 +44,9 @@ CASES = [
     _case("gpt2", "post", tie_embeddings=False),
     *[_case(b, "peri", dt=0.1) for b in _BACKBONES],
     _case("gpt2", "peri", dt=0.1, embed_norm=True),
+    *[_case(b, "reordered") for b in _BACKBONES],
+    # OLMo 2's own setting: RMSNorm at eps 1e-6, QK-norm over the whole projected q and k.
+    _case("llama", "reordered", qk_norm=True, qk_norm_scope="full", norm_eps=1e-6, dt=0.5),
     *[_case(b, "deepnorm") for b in _BACKBONES],
     *[_case(b, "simplenorm") for b in _BACKBONES],
     *[_case(b, "lns") for b in _BACKBONES],
@@ -110,8 +115,9 @@ def _reference(hyper, weights, tokens_BxL1):
   return logits_BxLxV.detach().numpy(), grads, reference
 
 
-@pytest.mark.parametrize("overrides", CASES)
-def test_logits_and_gradients_match_the_torch_reference(overrides):
+def _compare(overrides):
+  """(max |logit diff|, worst gradient's name, its max |diff|, reference logits, reference
+  gradients, reference model) of geonorm_jax against the reference on one model."""
   tokens_BxL1 = np.random.default_rng(0).integers(0, VOCAB, (BATCH, LENGTH + 1))
   weights, logits, grads = _ours(overrides, tokens_BxL1)
   hyper = torch_reference.Hyper(**overrides)
@@ -122,8 +128,14 @@ def test_logits_and_gradients_match_the_torch_reference(overrides):
   grad_errors = {k: float(np.max(np.abs(grads[k] - ref_grads[k]))) for k in grads}
   worst = max(grad_errors, key=grad_errors.get)
   print(f"max |logit diff| {logit_error:.2e}, max |grad diff| {grad_errors[worst]:.2e} ({worst})")
+  return logit_error, worst, grad_errors[worst], ref_logits, ref_grads, reference
+
+
+@pytest.mark.parametrize("overrides", CASES)
+def test_logits_and_gradients_match_the_torch_reference(overrides):
+  logit_error, worst, grad_error, ref_logits, ref_grads, reference = _compare(overrides)
   assert logit_error < TOLERANCE, logit_error
-  assert grad_errors[worst] < TOLERANCE, (worst, grad_errors[worst])
+  assert grad_error < TOLERANCE, (worst, grad_error)
   # The comparison means something only if the logits and gradients are not trivially small.
   assert np.std(ref_logits) > 0.05
   assert max(float(np.max(np.abs(g))) for g in ref_grads.values()) > 1e-2
@@ -132,3 +144,25 @@ def test_logits_and_gradients_match_the_torch_reference(overrides):
     thetas = torch.cat([t.flatten() for t in reference.geodesic_angles()])
     theta_max = overrides["geo_theta_max"]
     assert (thetas > theta_max).any() and (thetas < theta_max).any()
+
+
+# Wrong wirings of the reordered norm with the same parameters (so the strict load passes and
+# only the numbers can tell): the reference must reject each one.
+_WRONG_REORDERED = {
+    "output_norm_dropped": lambda x, f, norms, ctx: x + ctx.dt * f(x),
+    "norm_moved_to_the_input": lambda x, f, norms, ctx: x + ctx.dt * f(norms.output(x)),
+    "norm_moved_onto_the_sum": lambda x, f, norms, ctx: norms.output(x + ctx.dt * f(x)),
+}
+
+
+@pytest.mark.parametrize("wrong", sorted(_WRONG_REORDERED))
+@pytest.mark.parametrize("backbone", sorted(_BACKBONES))
+def test_a_wrong_reordered_norm_fails_the_reference(backbone, wrong, monkeypatch):
+  """Breaking `reordered` on purpose: the same comparison as above must fail by far."""
+  broken = dataclasses.replace(placements.PLACEMENTS["reordered"],
+                               update=_WRONG_REORDERED[wrong])
+  monkeypatch.setitem(placements.PLACEMENTS, "reordered", broken)
+  overrides = {**_SMALL, **_BACKBONES[backbone], "placement": "reordered"}
+  logit_error, worst, grad_error, *_ = _compare(overrides)
+  assert logit_error > 1000 * TOLERANCE, logit_error
+  assert grad_error > 1000 * TOLERANCE, (worst, grad_error)

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 # Placements whose stream ends in a norm before the head.
-_FINAL_NORM = ("pre", "peri", "geonorm", "simplenorm", "lns", "mixln", "dyt", "scaled_pre")
+_FINAL_NORM = ("pre", "peri", "reordered", "geonorm", "simplenorm", "lns", "mixln", "dyt",
+               "scaled_pre")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Hyper:
   norm_eps: float = 1e-5
   rope_theta: float = 10000.0
   qk_norm: bool = False
+  qk_norm_scope: str = "head"  # head: RMSNorm per head | full: over the whole projected q, k
   dt: float = 1.0
   embed_norm: bool = False
   geo_alpha: float = 1.0
@@ -159,9 +161,15 @@ class Attention(nn.Module):
     self.k_out_norm = _maybe(simple, lambda: inner(kv_width))
     self.v_out_norm = _maybe(simple, lambda: inner(kv_width))
     self.o_out_norm = _maybe(simple, lambda: inner(d))
+    head_scope = hp.qk_norm and hp.qk_norm_scope == "head"
+    full_scope = hp.qk_norm and hp.qk_norm_scope == "full"
     head_norm = lambda: Norm(hp.head_dim, "rmsnorm", hp.norm_eps, bias=False)
-    self.q_head_norm = _maybe(hp.qk_norm, head_norm)
-    self.k_head_norm = _maybe(hp.qk_norm, head_norm)
+    self.q_head_norm = _maybe(head_scope, head_norm)
+    self.k_head_norm = _maybe(head_scope, head_norm)
+    # Full scope (OLMo-core's use_head_qk_norm=False): one RMSNorm over q's whole width and one
+    # over k's, before the split into heads.
+    self.q_norm = _maybe(full_scope, lambda: Norm(q_width, "rmsnorm", hp.norm_eps, bias=False))
+    self.k_norm = _maybe(full_scope, lambda: Norm(kv_width, "rmsnorm", hp.norm_eps, bias=False))
     ngpt = hp.placement == "ngpt"
     self.s_q = _maybe(ngpt, lambda: Scale(q_width, 1.0, d ** -0.5))
     self.s_k = _maybe(ngpt, lambda: Scale(kv_width, 1.0, d ** -0.5))
@@ -171,8 +179,11 @@ class Attention(nn.Module):
     batch, length, _ = x_BxLxD.shape
     heads, kv_heads, hd = hp.num_heads, hp.kv_heads, hp.head_dim
     project = lambda linear, norm: linear(x_BxLxD) if norm is None else norm(linear(x_BxLxD))
-    q_BxLxHxK = project(self.q, self.q_out_norm).reshape(batch, length, heads, hd)
-    k_BxLxGxK = project(self.k, self.k_out_norm).reshape(batch, length, kv_heads, hd)
+    q_BxLxHK, k_BxLxGK = project(self.q, self.q_out_norm), project(self.k, self.k_out_norm)
+    if self.q_norm is not None:
+      q_BxLxHK, k_BxLxGK = self.q_norm(q_BxLxHK), self.k_norm(k_BxLxGK)
+    q_BxLxHxK = q_BxLxHK.reshape(batch, length, heads, hd)
+    k_BxLxGxK = k_BxLxGK.reshape(batch, length, kv_heads, hd)
     v_BxLxGxK = project(self.v, self.v_out_norm).reshape(batch, length, kv_heads, hd)
     if self.q_head_norm is not None:
       q_BxLxHxK, k_BxLxGxK = self.q_head_norm(q_BxLxHxK), self.k_head_norm(k_BxLxGxK)
@@ -256,7 +267,7 @@ class Block(nn.Module):
     post_here = p == "mixln" and layer <= math.floor(hp.mixln_fraction * hp.num_layers)
     has_in = (p in ("pre", "peri", "lns", "dyt", "scaled_pre") or (p == "mixln" and not post_here)
               or (p == "geonorm" and hp.geo_sublayer_input == "norm"))
-    has_out = p in ("post", "peri", "deepnorm") or post_here
+    has_out = p in ("post", "peri", "reordered", "deepnorm") or post_here
     self.mode = "post" if post_here else ("pre" if p == "mixln" else p)
     kind = "dyt" if p == "dyt" else hp.kind
     stream_norm = lambda: Norm(hp.d_model, kind, hp.norm_eps, hp.bias)
@@ -281,6 +292,8 @@ class Block(nn.Module):
       return norm_out(x + dt * sublayer(x))
     if mode == "peri":
       return x + dt * norm_out(sublayer(norm_in(x)))
+    if mode == "reordered":  # OLMo 2: the norm on F's output only
+      return x + dt * norm_out(sublayer(x))
     if mode == "deepnorm":
       return norm_out((2 * hp.num_layers) ** 0.25 * x + dt * sublayer(x))
     if mode == "lns":

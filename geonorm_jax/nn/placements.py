@@ -80,6 +80,11 @@ def peri(x, sublayer, norms, ctx):
   return x + ctx.dt * norms.output(sublayer(norms.input(x)))
 
 
+def reordered(x, sublayer, norms, ctx):
+  """x' = x + dt N(F(x))  (OLMo 2's reordered norm: a norm on F's output, none on its input)."""
+  return x + ctx.dt * norms.output(sublayer(x))
+
+
 def deepnorm(x, sublayer, norms, ctx):
   """x' = N(a x + dt F(x)) with a = (2T)^(1/4) for a decoder."""
   return norms.output(ctx.constants["alpha"] * x + ctx.dt * sublayer(x))
@@ -297,6 +302,20 @@ PLACEMENTS = {
     "pre": Placement("pre", pre, has_input_norm=_always),
     "post": Placement("post", post, has_output_norm=_always, final_norm=False),
     "peri": Placement("peri", peri, has_input_norm=_always, has_output_norm=_always),
+    # OLMo 2 and 3's block, allenai/OLMo-core src/olmo_core/nn/transformer/block.py,
+    # ReorderedNormTransformerBlock: `h = x + attention_norm(attention(x))`, then
+    # `h + feed_forward_norm(feed_forward(h))`: Peri-LN without its input norm, so F reads the
+    # raw stream and the stream keeps growing (unlike Post-LN, whose norm is on the sum).
+    # TransformerConfig.llama_like (nn/transformer/config.py), which every olmo2_*/olmo3_*
+    # preset builds on: a final RMSNorm before the head (LMHeadConfig(layer_norm=...)), no
+    # embedding norm (embedding_norm stays None). Those presets also set qk_norm=True with
+    # use_head_qk_norm=False: one RMSNorm over the whole projected q and one over k, before
+    # RoPE, i.e. our model.qk_norm=true,qk_norm_scope=full; it stays that separate switch so
+    # the placement can be compared alone. Not copied: OLMo's init (InitMethod.normal: every
+    # linear and embedding weight truncated N(0, 0.02), no depth scaling); we keep the shared rule, whose W_o and
+    # W_down / sqrt(2T) the output norm cancels in the forward pass at init (zero biases; up
+    # to eps).
+    "reordered": Placement("reordered", reordered, has_output_norm=_always),
     "deepnorm": Placement("deepnorm", deepnorm, has_output_norm=_always, final_norm=False,
                           constants=_deepnorm_constants, init_std=init_rules.deepnorm_std),
     "geonorm": Placement("geonorm", geonorm, has_input_norm=_geonorm_reads_norm,

@@ -183,6 +183,7 @@ PLACEMENT_VARIANTS = {
     "post": "placement=post",
     "peri": "placement=peri",
     "peri_dt0.1": "placement=peri,dt=0.1",
+    "reordered": "placement=reordered",  # OLMo 2's norm on the sublayer output only
     "deepnorm": "placement=deepnorm",
     "geonorm": "placement=geonorm",  # harmonic alpha/k, alpha=1
     "geonorm_constant": "placement=geonorm,geo_schedule=constant",

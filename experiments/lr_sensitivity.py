@@ -31,11 +31,14 @@ Variants: the GPT-2-backbone placements of the sweeps (pre, pre_qknorm, pre_qkno
 peri, peri_dt0.1, geonorm, post, deepnorm, ngpt, dyt) and SimpleGPT's comparison on the
 LLaMA backbone (pre_llama, simplenorm_llama, as in lr_tolerance). Judge scale: configs/judge.py.
 Cost on this 2-core machine (two runs at once): a full run is about 4 minutes at d = 128,
-about 1.3 at d = 64 and 0.5 at d = 32; with the top of the grid stopping early, roughly
-8 full runs + 5 short ones per variant, width and seed: about 35 + 17 + 7 = 60 minutes per
-variant and seed over the three widths, less the norm zoo's 4 shared runs at d = 128; all
-12 variants at one seed about 12 hours. Order if compute runs short: pre, pre_qknorm,
-pre_llama, simplenorm_llama, peri, post, geonorm, deepnorm at d = 32 and 64 first.
+about 1.3 at d = 64 and 0.5 at d = 32 (narrower runs have smaller steps; not yet measured
+here). Only runs whose loss climbs above its start give up early: one that stalls at the
+unigram loss (3.35, below the start's 5.5) runs to the end. So a variant costs up to
+13 x (4 + 1.3 + 0.5) = 75 minutes per seed over the three widths, less the runs the norm zoo
+and lr_tolerance already trained at d = 128 (4 to 10 of its 13); all 12 variants at one seed,
+up to 15 hours. Order if compute runs short: pre, pre_qknorm, pre_llama, simplenorm_llama,
+peri, post, geonorm, deepnorm, at d = 32 and 64 first (--widths=32,64: about a quarter of
+the cost).
 --quick: widths 32, two LRs, 60 steps, one seed: a smoke run, not a verdict.
 Writes results/lr_sensitivity/{results.csv, curves.csv, table.md, config.json, verdict.json,
 loss_vs_lr.png, sensitivity_vs_width.png}.

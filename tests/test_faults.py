@@ -370,6 +370,7 @@ def test_rerunning_a_finished_run_says_so_and_leaves_its_files_alone(reference, 
     ("mesh.distributed=maybe", "mesh.distributed"),
     ("train.on_divergence=ignore", "train.on_divergence"),
     ("train.spike_factor=0.5", "train.spike_factor"),
+    ("model.z_loss=-1", "model.z_loss"),
 ])
 def test_invalid_values_are_refused_naming_the_field(override, field):
   with pytest.raises(ValueError) as info:

@@ -44,7 +44,7 @@ class ModelSpec:
   scan_layers: bool
   # Every placement's own fields (placements.Option), resolved: ((name, value), ...).
   options: tuple = ()
-  # Sequence slices the head + cross-entropy run in (losses.chunked_cross_entropy).
+  # Sequence slices the head + cross-entropy run in (losses.chunked_loss_terms).
   loss_chunks: int = 1
   # With qk_norm: head (RMSNorm over each head's head_dim) | full (over the whole projected
   # width of q and of k, before the split into heads).

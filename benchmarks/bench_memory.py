@@ -29,7 +29,7 @@ step fits 24 GiB on one device (less ~1 GiB for the runtime), with and without m
 from the same compiled memory analysis on one CPU device, extrapolated from 1 and 2 blocks.
 
 Loss chunks: the same device measurement (8 devices, FSDP) of a model with a large vocabulary at
-model.loss_chunks = 1, 4, 16 (losses.chunked_cross_entropy: the head and cross-entropy in
+model.loss_chunks = 1, 4, 16 (losses.chunked_loss_terms: the head and cross-entropy in
 sequence slices, each remade in the backward pass), to show what the B x L x V logits cost.
 
   python benchmarks/bench_memory.py               # everything (an hour or more on 2 cores)

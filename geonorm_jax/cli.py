@@ -20,7 +20,9 @@ Commands:
            tiny model, both runs under --workdir, then loss_curves.png, summary.md and a
            sample from the better run.
   report   DIR... : rebuild the tables, figures and verdicts of claim results folders
-           (results/<claim>/, written by experiments/<claim>.py) from their files alone.
+           (results/<claim>/, written by experiments/<claim>.py) from their files alone; a
+           training run's folder gets RUN/mechanisms.png (max attention logit, attention
+           entropy per layer, log Z over steps, from its metrics.jsonl).
   prepare  Your corpus (text, .jsonl, .parquet: --input) -> token shards in --output_dir
            (--tokenizer=byte|gpt2, --val_tokens); prints the config overrides to train on them.
   export   A checkpoint (--step, default the latest) as a Hugging Face `transformers`
@@ -250,11 +252,15 @@ def run_prepare():
 
 
 def run_report(*results_dirs):
-  from geonorm_jax.studies import claims  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.studies import claims, report  # pylint: disable=g-import-not-at-top
   if not results_dirs:
-    raise CommandError("report: give one or more results folders, e.g. results/norm_zoo")
+    raise CommandError("report: give one or more results folders, e.g. results/norm_zoo, "
+                       "or training run folders")
   for results_dir in results_dirs:
     try:
+      if report.is_run_dir(results_dir):
+        print(f"{results_dir}: {report.plot_mechanisms(results_dir)}")
+        continue
       summary = claims.report(results_dir)
     except (ValueError, FileNotFoundError) as e:  # not a claim folder, or a file missing
       raise CommandError(str(e)) from None

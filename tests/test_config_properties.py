@@ -1,5 +1,5 @@
 """Property tests over configs (hypothesis): placement x backbone x sizes x dtype x dt x qk_norm
-x optimizer fields. Every valid config trains to a finite loss; every invalid value is refused
+x z_loss x optimizer fields. Every valid config trains to a finite loss; every invalid value is refused
 by validate, before compilation, with an error that starts with the field's name."""
 import hypothesis
 import jax
@@ -33,7 +33,8 @@ def _valid_configs(draw):
       backbone=backbone, placement=draw(st.sampled_from(sorted(placements.PLACEMENTS))),
       num_layers=1, d_model=num_heads * head_dim, num_heads=num_heads,
       dtype=draw(st.sampled_from(["float32", "bfloat16"])),
-      dt=draw(st.floats(0.05, 1.0)), qk_norm=draw(st.booleans())))
+      dt=draw(st.floats(0.05, 1.0)), qk_norm=draw(st.booleans()),
+      z_loss=draw(st.sampled_from([0.0, 1e-4, 0.1]))))
   config.train.update(dict(
       lr=draw(st.floats(1e-5, 1e-2)), b1=draw(st.floats(0.0, 0.99)),
       b2=draw(st.floats(0.0, 0.999)), weight_decay=draw(st.floats(0.0, 0.5)),
@@ -78,6 +79,8 @@ _INVALID = {
     "model.rope_theta": st.floats(-1e4, 0.0),
     "model.dt": st.floats(-10.0, 0.0),
     "model.d_model": st.integers(-4, 0),
+    "model.z_loss": st.one_of(st.floats(-10.0, -1e-6),
+                              st.sampled_from([float("nan"), float("inf")])),
 }
 
 

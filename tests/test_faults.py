@@ -393,6 +393,7 @@ def test_rerunning_a_finished_run_says_so_and_leaves_its_files_alone(reference, 
     ("train.wandb=online,train.wandb_project=", "train.wandb_project"),
     ("train.wandb=offline,train.wandb_project=team/study", "train.wandb_project"),
     ("train.wandb=offline,train.wandb_id=run:1", "train.wandb_id"),
+    ("model.z_loss=-1", "model.z_loss"),
 ])
 def test_invalid_values_are_refused_naming_the_field(override, field):
   with pytest.raises(ValueError) as info:

@@ -24,7 +24,8 @@ def test_chunked_cross_entropy_and_gradients_match_the_closed_form():
   expected = -np.sum(log_probs * onehot) / targets.size
   dlogits = (np.exp(log_probs) - onehot) / targets.size
   with jax.enable_x64(True):
-    loss_of = lambda x, w: losses.chunked_cross_entropy(lambda h: h @ w, x, targets, chunks=4)
+    loss_of = lambda x, w: losses.chunked_loss_terms(lambda h: h @ w, x, targets,
+                                                     chunks=4).cross_entropy
     loss = loss_of(jnp.float64(x), jnp.float64(w))
     grad_x, grad_w = jax.grad(loss_of, argnums=(0, 1))(jnp.float64(x), jnp.float64(w))
   np.testing.assert_allclose(loss, expected, rtol=1e-6)

@@ -159,7 +159,11 @@ def test_training_steps_give_the_same_losses_and_statistics():
   for unrolled, scanned in zip(results["false"], results["true"]):
     assert unrolled.keys() == scanned.keys()
     for name, value in unrolled.items():
-      np.testing.assert_allclose(scanned[name], value, rtol=2e-4, atol=1e-6, err_msg=name)
+      # GPT-2's key bias b_k adds q.b_k to all of a query's scores, which softmax ignores: its
+      # gradient is float noise, which Adam turns into lr-sized steps that differ between the
+      # layouts (0.1% of the max logit here, the layouts' only visible difference).
+      rtol = 2e-3 if name.startswith("attn_logit_max/") else 2e-4
+      np.testing.assert_allclose(scanned[name], value, rtol=rtol, atol=1e-6, err_msg=name)
 
 
 def test_a_block_of_the_stacked_model_reads_as_the_unrolled_block():

@@ -13,7 +13,9 @@ then a scanned array. Both layouts compute the same function of the same numbers
 
 `prefill` and `decode` are the cached inference path (sample.py): `prefill` runs a window
 and returns every layer's keys and values, `decode` runs new tokens at an absolute position
-against that cache and writes theirs into it.
+against that cache and writes theirs into it. `inspect` is the forward pass of the per-layer
+statistics: the streams, and the attention logits and norm inputs measured where the model
+computes them (mechanisms.py).
 """
 import functools
 import math
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from geonorm_jax.nn import norms, placements
+from geonorm_jax.nn import mechanisms, norms, placements
 from geonorm_jax.nn.layers import (Linear, NgptScale, Norm, apply_rope, constant, param,
                                 rope_cos_sin, tap)
 from geonorm_jax.nn.sharding import constrain
@@ -80,9 +82,14 @@ def _maybe(flag, build):
   return build() if flag else None
 
 
-def _apply_optional(module, x):
-  """A norm the placement may not have: None is the identity."""
-  return x if module is None else module(x)
+def _apply_optional(module, x, stats=None, site=None):
+  """A norm the placement may not have: None is the identity. With a `stats` dict (an
+  inspecting pass), the norm's input and gain statistics are added to it under `site`."""
+  if module is None:
+    return x
+  if stats is not None:
+    stats.update(mechanisms.norm_site(module, x, site))
+  return module(x)
 
 
 class LayerCache(NamedTuple):
@@ -134,22 +141,24 @@ class Attention(nnx.Module):
   def __call__(self, x_BxLxD, perturb=None):
     return self.attend(x_BxLxD, perturb)[0]
 
-  def attend(self, x_BxLxD, perturb=None, cache=None, position=None):
+  def attend(self, x_BxLxD, perturb=None, cache=None, position=None, stats=None):
     """(output, LayerCache of the keys and values attended to).
 
     Without a cache the L tokens are positions 0..L-1 and attend causally to each other.
     With one (and `position`, maybe traced), they are positions position..position+L-1:
     their keys and values are written into the cache's slots there, and each reads the
-    slots up to its own position.
+    slots up to its own position. `stats` (a dict, no cache): the attention logits' and this
+    sublayer's norms' statistics are added to it (mechanisms.py).
     """
     spec = self.spec
     batch, length, _ = x_BxLxD.shape
     hd, heads, kv_heads = spec.head_dim, spec.num_heads, spec.num_kv_heads
-    q = _apply_optional(self.q_norm, _apply_optional(self.q_out_norm, self.q(x_BxLxD, perturb)))
-    k = _apply_optional(self.k_norm, _apply_optional(self.k_out_norm, self.k(x_BxLxD, perturb)))
-    v = _apply_optional(self.v_out_norm, self.v(x_BxLxD, perturb))
-    q_BxLxHxK = _apply_optional(self.q_head_norm, q.reshape(batch, length, heads, hd))
-    k_BxLxGxK = _apply_optional(self.k_head_norm, k.reshape(batch, length, kv_heads, hd))
+    norm = lambda name, x: _apply_optional(getattr(self, name), x, stats, f"attn.{name}")
+    q = norm("q_norm", norm("q_out_norm", self.q(x_BxLxD, perturb)))
+    k = norm("k_norm", norm("k_out_norm", self.k(x_BxLxD, perturb)))
+    v = norm("v_out_norm", self.v(x_BxLxD, perturb))
+    q_BxLxHxK = norm("q_head_norm", q.reshape(batch, length, heads, hd))
+    k_BxLxGxK = norm("k_head_norm", k.reshape(batch, length, kv_heads, hd))
     v_BxLxGxK = v.reshape(batch, length, kv_heads, hd)
     q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "heads", "head_dim"))
     k_BxLxGxK = constrain(k_BxLxGxK, ("batch", "length", "kv", "head_dim"))
@@ -168,6 +177,8 @@ class Attention(nnx.Module):
       k_BxLxGxK = norms.l2_normalize(k_BxLxGxK) * s_k_GxK
       scale = math.sqrt(hd)  # unit vectors: undo the 1/sqrt(d) that random vectors need
     if cache is None:
+      if stats is not None:  # the scores softmax reads, from the same q, k and scale
+        stats.update(mechanisms.attention_logits(q_BxLxHxK, k_BxLxGxK, scale))
       out_BxLxHxK = causal_attention(q_BxLxHxK, k_BxLxGxK, v_BxLxGxK, scale,
                                      attention_impl(spec))
       cache = LayerCache(k_BxLxGxK, v_BxLxGxK)
@@ -178,7 +189,7 @@ class Attention(nnx.Module):
       out_BxLxHxK = cached_attention(q_BxLxHxK, cache.k_BxCxGxK, cache.v_BxCxGxK, position,
                                      scale)
     out = self.o(out_BxLxHxK.reshape(batch, length, heads * hd), perturb)
-    return _apply_optional(self.o_out_norm, out), cache
+    return norm("o_out_norm", out), cache
 
 
 # Queries per block of the blocked attention: small enough that a block's scores stay in a
@@ -284,12 +295,14 @@ class MLP(nnx.Module):
     self.s_gate = _maybe(ngpt and self.gated, lambda: NgptScale(f, 1.0, 1.0, "mlp"))
     self.ngpt_input_scale = math.sqrt(d) if ngpt else 1.0
 
-  def __call__(self, x_BxLxD, perturb=None):
-    up = _apply_optional(self.up_out_norm, self.up(x_BxLxD, perturb))
+  def __call__(self, x_BxLxD, perturb=None, stats=None):
+    """F(x); `stats` (a dict): its norms' statistics are added to it (mechanisms.py)."""
+    norm = lambda name, x: _apply_optional(getattr(self, name), x, stats, f"mlp.{name}")
+    up = norm("up_out_norm", self.up(x_BxLxD, perturb))
     if self.s_up is not None:
       up = up * self.s_up().astype(up.dtype)
     if self.gated:
-      gate = _apply_optional(self.gate_out_norm, self.gate(x_BxLxD, perturb))
+      gate = norm("gate_out_norm", self.gate(x_BxLxD, perturb))
       if self.s_gate is not None:
         # nGPT: the gate sees unit-norm rows, so sqrt(d) restores the SiLU's working range.
         gate = gate * (self.s_gate() * self.ngpt_input_scale).astype(gate.dtype)
@@ -297,7 +310,15 @@ class MLP(nnx.Module):
     else:
       hidden = jax.nn.gelu(up * self.ngpt_input_scale, approximate=True)
     hidden = constrain(hidden, ("batch", "length", "mlp"))
-    return _apply_optional(self.down_out_norm, self.down(hidden, perturb))
+    return norm("down_out_norm", self.down(hidden, perturb))
+
+
+class BlockOutput(NamedTuple):
+  """What Block.apply returns; what was not asked for is None."""
+  x_BxLxD: Any
+  cache: LayerCache  # the attention's keys and values
+  midstream_BxLxD: Any = None  # the stream between the attention's and the MLP's updates
+  stats: Any = None  # {name: float32 scalar}: the block's mechanisms.py statistics
 
 
 class Block(nnx.Module):
@@ -333,12 +354,14 @@ class Block(nnx.Module):
                                       params=params)
 
   def __call__(self, x_BxLxD, perturb=None):
-    return self.apply(x_BxLxD, perturb)[0]
+    return self.apply(x_BxLxD, perturb).x_BxLxD
 
   def apply(self, x_BxLxD, perturb=None, constants=None, cache=None, position=None,
-            with_midstream=False):
-    """(x', the attention's LayerCache); with_midstream: (x', cache, the stream between the
-    attention's and the MLP's residual updates).
+            with_midstream=False, with_stats=False):
+    """BlockOutput: x', the attention's LayerCache, with_midstream the stream between the
+    attention's and the MLP's residual updates, with_stats this block's statistics
+    (mechanisms.py: its attention logits, and every norm it calls, named by its path in the
+    block: `attn_in_norm`, `attn.q_head_norm`, `mlp.up_out_norm`, ...).
 
     `perturb`: this block's taps, named without the `blocks.<i>.` prefix (`input`,
     `attn.q.in`, ...). `constants`: layer_constants of this block (the default; a scanned
@@ -350,21 +373,27 @@ class Block(nnx.Module):
     x_BxLxD = constrain(x_BxLxD, _STREAM_AXES)
     x_BxLxD = tap(perturb, "input", x_BxLxD)
     caches = []  # the placement calls F once; its K/V leave the closure through this list
+    # Filled while this function is traced and returned from it, so the values leave a remat
+    # or a scan body as outputs, never as captured tracers.
+    stats = {} if with_stats else None
 
     def attention(h):
-      out, layer_cache = self.attn.attend(h, perturb, cache, position)
+      out, layer_cache = self.attn.attend(h, perturb, cache, position, stats)
       caches.append(layer_cache)
       return out
 
-    attn_norms = placements.SublayerNorms(self.attn_in_norm, self.attn_out_norm)
-    x_BxLxD = update(x_BxLxD, attention, attn_norms, self._context(constants, "attn"))
+    def sublayer_norms(sublayer):
+      return placements.SublayerNorms(*(
+          mechanisms.recorded(getattr(self, name), name, stats)
+          for name in (f"{sublayer}_in_norm", f"{sublayer}_out_norm")))
+
+    x_BxLxD = update(x_BxLxD, attention, sublayer_norms("attn"),
+                     self._context(constants, "attn"))
     mid_BxLxD = x_BxLxD
-    mlp_norms = placements.SublayerNorms(self.mlp_in_norm, self.mlp_out_norm)
-    x_BxLxD = update(x_BxLxD, lambda h: self.mlp(h, perturb), mlp_norms,
+    x_BxLxD = update(x_BxLxD, lambda h: self.mlp(h, perturb, stats), sublayer_norms("mlp"),
                      self._context(constants, "mlp"))
-    if with_midstream:
-      return constrain(x_BxLxD, _STREAM_AXES), caches[0], mid_BxLxD
-    return constrain(x_BxLxD, _STREAM_AXES), caches[0]
+    return BlockOutput(constrain(x_BxLxD, _STREAM_AXES), caches[0],
+                       mid_BxLxD if with_midstream else None, stats)
 
 
 def layer_constants(spec, layer):
@@ -463,8 +492,9 @@ class Transformer(nnx.Module):
     self.s_z = _maybe(placement.is_ngpt, lambda: NgptScale(spec.vocab_size, 1.0, d ** -0.5,
                                                            "vocab"))
 
-  def embed_tokens(self, tokens_BxL, start=None):
-    """The stream entering block 1; the tokens sit at positions start.. (None: from 0)."""
+  def embed_tokens(self, tokens_BxL, start=None, stats=None):
+    """The stream entering block 1; the tokens sit at positions start.. (None: from 0).
+    `stats` (a dict): the embedding norm's statistics are added to it (mechanisms.py)."""
     spec = self.spec
     dtype = compute_dtype(spec)
     x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(dtype)
@@ -473,8 +503,7 @@ class Transformer(nnx.Module):
       positions_LxD = (self.positions[:length] if start is None else
                        jax.lax.dynamic_slice_in_dim(self.positions[...], start, length))
       x_BxLxD = x_BxLxD + positions_LxD.astype(dtype)
-    if self.embed_norm is not None:
-      x_BxLxD = self.embed_norm(x_BxLxD)
+    x_BxLxD = _apply_optional(self.embed_norm, x_BxLxD, stats, "embed_norm")
     output = spec.placement.embedding_output
     if output == "sphere" and spec.option("geo_radius") == "sqrt_d":
       # The sphere of radius sqrt(d), exactly: an eps here would shrink small embeddings.
@@ -485,9 +514,10 @@ class Transformer(nnx.Module):
       x_BxLxD = x_BxLxD * self.embed_scale[...].astype(x_BxLxD.dtype)
     return x_BxLxD
 
-  def logits(self, x_BxLxD):
-    if self.final_norm is not None:
-      x_BxLxD = self.final_norm(x_BxLxD)
+  def logits(self, x_BxLxD, stats=None):
+    """The head's float32 logits of the last block's output; `stats` (a dict): the final
+    norm's statistics are added to it (mechanisms.py)."""
+    x_BxLxD = _apply_optional(self.final_norm, x_BxLxD, stats, "final_norm")
     head_DxV = self.embed[...].T if self.head is None else self.head[...]
     # Operands in the compute dtype, accumulation and logits in float32 (as MaxText): GPT-2's
     # head + loss took 67 ms in float32 against 59 ms with bf16 operands on an H200
@@ -501,8 +531,7 @@ class Transformer(nnx.Module):
 
   def hidden(self, tokens_BxL, perturb=None):
     """The last block's output: what logits() turns into logits (final norm, then head)."""
-    out_BxLxD, _, _ = self._run_blocks(self.embed_tokens(tokens_BxL), perturb=perturb)
-    return out_BxLxD
+    return self._run_blocks(self.embed_tokens(tokens_BxL), perturb=perturb)[0]
 
   def __call__(self, tokens_BxL, perturb=None, return_streams=False,
                return_sublayer_streams=False):
@@ -514,7 +543,7 @@ class Transformer(nnx.Module):
     `blocks.<i>.attn.q.in`, ... (layers.py).
     """
     x_BxLxD = self.embed_tokens(tokens_BxL)
-    out_BxLxD, streams, _ = self._run_blocks(
+    out_BxLxD, streams, _, _ = self._run_blocks(
         x_BxLxD, perturb=perturb, keep_streams=return_streams or return_sublayer_streams,
         keep_midstreams=return_sublayer_streams)
     logits_BxLxV = self.logits(out_BxLxD)
@@ -527,19 +556,48 @@ class Transformer(nnx.Module):
               [midstreams[i] for i in layers])
     return logits_BxLxV, [x_BxLxD] + [streams[i] for i in layers]
 
+  def inspect(self, tokens_BxL):
+    """(logits, streams, midstreams, stats): model(tokens, return_sublayer_streams=True)'s
+    three, and the instability mechanisms (mechanisms.py) as {name: float32 scalar}:
+    `attn_logit_max/layer_XX`, `attn_entropy/layer_XX`, `logits/log_z_mean`, `logits/max`,
+    and per norm site `norm_input_rms/<site>` (`norm_gain_mean/<site>`,
+    `norm_gain_max_abs/<site>` where it has a gain), a block's sites named by their path in
+    the block with `/layer_XX` after (`attn_in_norm/layer_00`, `attn.q_head_norm/layer_01`),
+    `embed_norm` and `final_norm` as they are. Block XX is the 0-based block index.
+
+    The same numbers as __call__ (same q, k and norms), in both layouts; costs one dense
+    L x L score matrix per layer more, so it is for statistics, not for the train step.
+    """
+    stats = {}
+    x_BxLxD = self.embed_tokens(tokens_BxL, stats=stats)
+    out_BxLxD, (midstreams, streams), _, block_stats = self._run_blocks(
+        x_BxLxD, keep_streams=True, keep_midstreams=True, keep_stats=True)
+    logits_BxLxV = self.logits(out_BxLxD, stats)
+    stats.update(mechanisms.output_logits(logits_BxLxV))
+    layers = range(self.spec.num_layers)
+    for index in layers:
+      # Unrolled: one dict per block (Mix-LN's blocks have different norms); scanned: one
+      # dict of arrays over the layer axis.
+      layer_stats = (block_stats[index] if isinstance(block_stats, list) else
+                     {name: values[index] for name, values in block_stats.items()})
+      for name, value in layer_stats.items():
+        stats[f"{name}/layer_{index:02d}"] = value
+    return (logits_BxLxV, [x_BxLxD] + [streams[i] for i in layers],
+            [midstreams[i] for i in layers], stats)
+
   def prefill(self, tokens_BxL):
     """(logits, caches) of a window at positions 0..L-1: caches holds every layer's keys and
     values (a list of LayerCache, or one stacked LayerCache under scan_layers), L slots."""
     x_BxLxD = self.embed_tokens(tokens_BxL)
-    out_BxLxD, _, caches = self._run_blocks(x_BxLxD, keep_caches=True)
+    out_BxLxD, _, caches, _ = self._run_blocks(x_BxLxD, keep_caches=True)
     return self.logits(out_BxLxD), caches
 
   def decode(self, tokens_BxS, caches, position):
     """(logits, caches) of S tokens at positions position..position+S-1 (may be traced): they
     read the cache slots up to their own position and their keys and values are written in."""
     x_BxSxD = self.embed_tokens(tokens_BxS, start=position)
-    out_BxSxD, _, caches = self._run_blocks(x_BxSxD, caches=caches, position=position,
-                                            keep_caches=True)
+    out_BxSxD, _, caches, _ = self._run_blocks(x_BxSxD, caches=caches, position=position,
+                                               keep_caches=True)
     return self.logits(out_BxSxD), caches
 
   def block(self, index):
@@ -551,29 +609,35 @@ class Transformer(nnx.Module):
     return nnx.merge(graphdef, jax.tree.map(lambda a: a[index], stacked))
 
   def _run_blocks(self, x_BxLxD, perturb=None, caches=None, position=None,
-                  keep_streams=False, keep_caches=False, keep_midstreams=False):
-    """(output, streams after each block or None, caches or None); with keep_midstreams the
-    streams are a pair (the streams between each block's two updates, those after it)."""
+                  keep_streams=False, keep_caches=False, keep_midstreams=False,
+                  keep_stats=False):
+    """(output, streams after each block or None, caches or None, stats or None); with
+    keep_midstreams the streams are a pair (the streams between each block's two updates,
+    those after it); stats: each block's BlockOutput.stats, a list (unrolled) or one dict of
+    arrays along the layer axis (scanned)."""
     if self.spec.scan_layers:
       return self._scan_blocks(x_BxLxD, perturb, caches, position, keep_streams, keep_caches,
-                               keep_midstreams)
-    streams, midstreams, new_caches = [], [], []
+                               keep_midstreams, keep_stats)
+    streams, midstreams, new_caches, stats = [], [], [], []
     for index, block in enumerate(self.blocks):
       run = lambda blk, x, taps, cache: blk.apply(x, taps, None, cache, position,
-                                                  keep_midstreams)
+                                                  keep_midstreams, keep_stats)
       if self.spec.remat:
         run = nnx.remat(run)
-      x_BxLxD, layer_cache, *midstream = run(block, x_BxLxD, _block_taps(perturb, index),
-                                             None if caches is None else caches[index])
+      out = run(block, x_BxLxD, _block_taps(perturb, index),
+                None if caches is None else caches[index])
+      x_BxLxD = out.x_BxLxD
       streams.append(x_BxLxD)
-      midstreams.extend(midstream)
-      new_caches.append(layer_cache)
+      midstreams.append(out.midstream_BxLxD)
+      new_caches.append(out.cache)
+      stats.append(out.stats)
     if keep_midstreams:
       streams = (midstreams, streams)
-    return x_BxLxD, streams, new_caches if keep_caches else None
+    return (x_BxLxD, streams, new_caches if keep_caches else None,
+            stats if keep_stats else None)
 
   def _scan_blocks(self, x_BxLxD, perturb, caches, position, keep_streams, keep_caches,
-                   keep_midstreams=False):
+                   keep_midstreams=False, keep_stats=False):
     spec = self.spec
     graphdef, stacked = nnx.split(self.blocks)
     constants_xs, rebuild = split_over_depth(
@@ -582,16 +646,18 @@ class Transformer(nnx.Module):
     def body(x, xs):
       params, constants, taps, cache = xs
       block = nnx.merge(graphdef, params)
-      x, layer_cache, *midstream = block.apply(x, taps, rebuild(constants), cache, position,
-                                               keep_midstreams)
-      stream = (midstream[0], x) if keep_midstreams else x
-      return x, (stream if keep_streams else None, layer_cache if keep_caches else None)
+      out = block.apply(x, taps, rebuild(constants), cache, position, keep_midstreams,
+                        keep_stats)
+      x = out.x_BxLxD
+      stream = (out.midstream_BxLxD, x) if keep_midstreams else x
+      return x, (stream if keep_streams else None, out.cache if keep_caches else None,
+                 out.stats)
 
     if spec.remat:
       body = jax.checkpoint(body)
     xs = (stacked, constants_xs, _stacked_taps(perturb, spec.num_layers), caches)
-    out_BxLxD, (streams, new_caches) = jax.lax.scan(body, x_BxLxD, xs)
-    return out_BxLxD, streams, new_caches
+    out_BxLxD, (streams, new_caches, stats) = jax.lax.scan(body, x_BxLxD, xs)
+    return out_BxLxD, streams, new_caches, stats
 
 
 def build(model_config_or_spec, seed=0):

@@ -4,6 +4,7 @@ The model reads only a ModelSpec, so one validation covers every entry point (tr
 sample, hessian, conversion from Hugging Face).
 """
 import dataclasses
+import math
 
 from geonorm_jax.nn import placements
 
@@ -43,11 +44,13 @@ class ModelSpec:
   scan_layers: bool
   # Every placement's own fields (placements.Option), resolved: ((name, value), ...).
   options: tuple = ()
-  # Sequence slices the head + cross-entropy run in (losses.chunked_cross_entropy).
+  # Sequence slices the head + cross-entropy run in (losses.chunked_loss_terms).
   loss_chunks: int = 1
   # With qk_norm: head (RMSNorm over each head's head_dim) | full (over the whole projected
   # width of q and of k, before the split into heads).
   qk_norm_scope: str = "head"
+  # PaLM's z-loss coefficient: the training objective adds z_loss * mean(log(Z)^2) (losses.py).
+  z_loss: float = 0.0
 
   def option(self, name):
     """A placement field's resolved value, e.g. spec.option("geo_alpha")."""
@@ -125,6 +128,8 @@ def resolve(model_config):
   _choice("dtype", c.dtype, DTYPES)
   _choice("attention", c.attention, ATTENTION_IMPLS)
   _choice("qk_norm_scope", c.qk_norm_scope, QK_NORM_SCOPES)
+  if not (math.isfinite(c.z_loss) and c.z_loss >= 0):  # NaN and inf too
+    raise ValueError(f"model.z_loss={c.z_loss} must be a finite number >= 0 (0 = off)")
   options = []
   for name, option in placements.all_options().items():
     problem = option.check(c[name])
@@ -153,7 +158,7 @@ def resolve(model_config):
       remat=bool(c.remat), scan_layers=bool(c.scan_layers),
       attention=c.attention, options=tuple(options),
       loss_chunks=_positive("loss_chunks", int(c.loss_chunks)),
-      qk_norm_scope=c.qk_norm_scope)
+      qk_norm_scope=c.qk_norm_scope, z_loss=float(c.z_loss))
   if spec.scan_layers:
     _check_uniform_blocks(spec)
   return spec

@@ -1,4 +1,5 @@
-"""Side-by-side comparison of finished runs: a loss-curve plot and a summary table.
+"""Side-by-side comparison of finished runs: a loss-curve plot and a summary table; and one
+run's instability mechanisms over training (`plot_mechanisms`).
 
 Everything is read back from each run's files (metrics.jsonl, and summary.json when the
 trainer wrote one), never passed in by hand, so a table can always be regenerated from
@@ -13,6 +14,7 @@ import numpy as np
 from geonorm_jax.training import metrics
 
 PLOT_FILENAME = "loss_curves.png"
+MECHANISMS_FILENAME = "mechanisms.png"
 TABLE_FILENAME = "summary.md"
 CSV_FILENAME = "summary.csv"
 
@@ -66,10 +68,7 @@ def markdown_table(rows, columns=COLUMNS):
 
 def plot_loss_curves(run_dirs, path):
   """Train (left) and eval (right) loss against step, one line per run."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")  # files only: works headless and never opens a window
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
+  plt = _pyplot()
   figure, (train_axes, eval_axes) = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
   for index, (name, run_dir) in enumerate(run_dirs.items()):
     color = f"C{index}"
@@ -86,6 +85,60 @@ def plot_loss_curves(run_dirs, path):
   figure.tight_layout()
   figure.savefig(path, dpi=120)
   plt.close(figure)
+
+
+def _pyplot():
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")  # files only: works headless and never opens a window
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def is_run_dir(path):
+  """Whether `path` is a training run's folder (it has the trainer's metrics.jsonl)."""
+  return os.path.exists(os.path.join(path, metrics.METRICS_FILENAME))
+
+
+def plot_mechanisms(run_dir, path=None):
+  """RUN/mechanisms.png (or `path`): the instability mechanisms over the steps of one run.
+
+  Per layer the max attention logit and the attention entropy, and the output logits' mean
+  log Z and max logit: the `layers` split of RUN/metrics.jsonl (train.make_stream_stats,
+  every train.layer_stats_every steps). Returns the path written. A run that never logged
+  them (train.layer_stats_every=0, or a run older than these statistics) is refused by name.
+  """
+  path = path or os.path.join(run_dir, MECHANISMS_FILENAME)
+  logit_steps, layers, logit_max = metrics.read_layer_series(run_dir, "attn_logit_max")
+  if not len(logit_steps):
+    raise ValueError(f"{os.path.join(run_dir, metrics.METRICS_FILENAME)} has no "
+                     "attn_logit_max/layer_XX in its `layers` split: train with "
+                     "train.layer_stats_every > 0 to log the mechanisms")
+  entropy_steps, entropy_layers, entropy = metrics.read_layer_series(run_dir, "attn_entropy")
+  plt = _pyplot()
+  figure, (logit_axes, entropy_axes, output_axes) = plt.subplots(1, 3, figsize=(15, 4))
+  for column, layer in enumerate(layers):
+    logit_axes.plot(logit_steps, logit_max[:, column], color=f"C{column}",
+                    label=f"layer {layer}")
+  for column, layer in enumerate(entropy_layers):
+    entropy_axes.plot(entropy_steps, entropy[:, column], color=f"C{column}",
+                      label=f"layer {layer}")
+  for name, label, style in (("logits/log_z_mean", "mean log Z", "-"),
+                             ("logits/max", "max logit", "--")):
+    steps, values = metrics.read_scalar_series(run_dir, name, split="layers")
+    output_axes.plot(steps, values, style, color="k", label=label)
+  for axes, title in ((logit_axes, "max attention logit (before softmax)"),
+                      (entropy_axes, "attention entropy (nats, mean over rows)"),
+                      (output_axes, "output logits")):
+    axes.set_title(title)
+    axes.set_xlabel("step")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    axes.ticklabel_format(axis="y", useOffset=False)
+  figure.suptitle(f"instability mechanisms: {os.path.basename(os.path.normpath(run_dir))}")
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+  plt.close(figure)
+  return path
 
 
 def compare_runs(run_dirs, out_dir, title="Comparison"):

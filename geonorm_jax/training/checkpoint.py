@@ -42,9 +42,10 @@ SET_ASIDE_SUBDIR = "checkpoints_set_aside"
 CONFIG_FILENAME = "config.json"
 LOCK_FILENAME = ".lock"
 
-# Execution-only model keys: changing them between runs gives the same math on
-# the same parameters, so resuming across them is allowed.
-_MODEL_KEYS_NOT_IN_FINGERPRINT = ("remat", "loss_chunks")
+# Execution-only model keys (changing them between runs gives the same math on the same
+# parameters) and z_loss, a term of the objective like train.*: the parameters fit either
+# way, so resuming (or branching a run) across them is allowed.
+_MODEL_KEYS_NOT_IN_FINGERPRINT = ("remat", "loss_chunks", "z_loss")
 # Data keys that decide which token stream training sees, and therefore what the
 # stored iterator state means. num_workers and val_path are left out: they do
 # not change the training stream.

@@ -56,6 +56,11 @@ def get_base_config() -> ml_collections.ConfigDict:
   # exist at once (MaxText's vocabulary tiling): less memory for one more head matmul.
   # Must divide data.seq_len; 1 = all at once.
   model.loss_chunks = 1
+  # PaLM's z-loss: the training objective adds z_loss * mean over tokens of log(Z)^2 (Z the
+  # softmax's partition function), which keeps the output logits from drifting (Wortsman et
+  # al. 2023; PaLM used 1e-4). 0 = off. Train metrics log `cross_entropy` and `z_loss` apart;
+  # the validation loss stays the plain cross-entropy.
+  model.z_loss = 0.0
   # Each placement's own fields (geo_*, mixln_fraction, ngpt_alpha_init, dyt_alpha_*, ...)
   # are declared by its registry entry in placements.py and added here.
   for name, option in placements.all_options().items():

@@ -136,20 +136,24 @@ def init_state(setup, seed=None):
 
 
 def _accumulated_grads(graphdef, params, tokens_AxBxL1):
-  """Mean loss and gradient over the A micro-batches, accumulated in a lax.scan."""
-  grad_fn = jax.value_and_grad(losses.params_loss(graphdef))
+  """(mean loss, its losses.LossTerms) and gradient over the A micro-batches, accumulated in
+  a lax.scan."""
+  grad_fn = jax.value_and_grad(losses.params_loss(graphdef, with_terms=True), has_aux=True)
   if tokens_AxBxL1.shape[0] == 1:
     return grad_fn(params, tokens_AxBxL1[0])
 
   def body(carry, tokens_BxL1):
-    loss_sum, grad_sum = carry
-    loss, grads = grad_fn(params, tokens_BxL1)
-    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+    sums, grad_sum = carry
+    loss_and_terms, grads = grad_fn(params, tokens_BxL1)
+    return (jax.tree.map(jnp.add, sums, loss_and_terms),
+            jax.tree.map(jnp.add, grad_sum, grads)), None
 
   zeros = jax.tree.map(jnp.zeros_like, params)
-  (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros(()), zeros), tokens_AxBxL1)
+  no_loss = (jnp.zeros(()), losses.LossTerms(jnp.zeros(()), jnp.zeros(())))
+  (sums, grad_sum), _ = jax.lax.scan(body, (no_loss, zeros), tokens_AxBxL1)
   count = tokens_AxBxL1.shape[0]
-  return loss_sum / count, jax.tree.map(lambda g: g / count, grad_sum)
+  return (jax.tree.map(lambda s: s / count, sums),
+          jax.tree.map(lambda g: g / count, grad_sum))
 
 
 def make_train_step(setup, compiler_options=None):
@@ -162,12 +166,13 @@ def make_train_step(setup, compiler_options=None):
   after_update = setup.spec.placement.after_update
   with_layer_stats = setup.config.train.layer_stats_every > 0
   skip_nonfinite = setup.config.train.on_divergence == "skip"
+  with_z_loss = setup.spec.z_loss > 0
   layer_norms = functools.partial(_per_layer_norms, scan_layers=setup.spec.scan_layers)
 
   def train_step(state, tokens_AxBxL1):
     params = state["params"]
     with sharding_lib.activation_sharding(setup.mesh, setup.rules):
-      loss, grads = _accumulated_grads(graphdef, params, tokens_AxBxL1)
+      (loss, terms), grads = _accumulated_grads(graphdef, params, tokens_AxBxL1)
     updates, opt_state = optimizer.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
     if after_update is not None:  # e.g. nGPT's projection of every matrix onto the sphere
@@ -182,7 +187,11 @@ def make_train_step(setup, compiler_options=None):
       opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
     step_metrics = {"loss": loss, "grad_norm": grad_norm,
                     "lr": schedule(state["step"]),
-                    "nonfinite": 1.0 - finite.astype(jnp.float32)}
+                    "nonfinite": 1.0 - finite.astype(jnp.float32),
+                    # `loss` is the objective; its cross-entropy compares across runs.
+                    "cross_entropy": terms.cross_entropy}
+    if with_z_loss:
+      step_metrics["z_loss"] = terms.z_loss
     layer_grad_norms = layer_norms(grads)
     # Kept on the device and read only when a step diverges: which layer blew up.
     for layer, value in layer_grad_norms.items():
@@ -217,11 +226,12 @@ def _per_layer_norms(tree, scan_layers):
 
 
 def make_eval_step(setup):
-  """jit(params, tokens_AxBxL1) -> mean loss over all A micro-batches of the batch."""
+  """jit(params, tokens_AxBxL1) -> mean cross-entropy (without the z term) over all A
+  micro-batches of the batch."""
   graphdef = setup.graphdef
 
   def eval_step(params, tokens_AxBxL1):
-    loss_fn = losses.params_loss(graphdef)
+    loss_fn = losses.params_cross_entropy(graphdef)
     with sharding_lib.activation_sharding(setup.mesh, setup.rules):
       return jnp.mean(jax.lax.map(lambda t: loss_fn(params, t), tokens_AxBxL1))
   return jax.jit(eval_step, in_shardings=(setup.state_shardings["params"], setup.batch_sharding),
@@ -230,8 +240,10 @@ def make_eval_step(setup):
 
 def make_stream_stats(setup):
   """jit(params, tokens) -> per-layer residual RMS / mean |x|, the angle each block turns, the
-  angle each of its sublayers turns, and the collapse diagnostics (collapse.py): token cosine,
-  logit spread, DyT saturation.
+  angle each of its sublayers turns, the instability mechanisms (nn/mechanisms.py: max
+  attention logit and attention entropy per layer, the output logits' log Z and max, each
+  norm site's input RMS and gain; `Transformer.inspect`), and the collapse diagnostics
+  (collapse.py): token cosine, logit spread, DyT saturation.
 
   `sublayer_angle/{attn,mlp}/layer_XX` (mean over tokens) and `sublayer_angle_max/...` (max)
   are the angles between the stream before and after that sublayer's residual update; for
@@ -243,8 +255,8 @@ def make_stream_stats(setup):
 
   def stats(params, tokens_AxBxL1):
     model = nnx.merge(graphdef, params)
-    logits, streams, midstreams = model(tokens_AxBxL1[0, :, :-1], return_sublayer_streams=True)
-    out = metrics.residual_stats(streams)
+    logits, streams, midstreams, mechanisms = model.inspect(tokens_AxBxL1[0, :, :-1])
+    out = {**metrics.residual_stats(streams), **mechanisms}
     for index in range(len(streams) - 1):
       out[f"stream_angle/layer_{index:02d}"] = metrics.angle_between(streams[index],
                                                                       streams[index + 1])

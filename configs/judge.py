@@ -14,7 +14,7 @@ its GPU recipe with a 10.7M model 1.47), Pre-LN ends at validation loss 1.646 +-
 150-500 steps, which measured how fast each placement leaves the unigram phase (3.35), not
 where it ends.
 ARG is a geonorm_jax.training.config preset string, e.g. "placement=peri,lr=3e-3". The peak LR here is
-only a default: claim experiments tune it per placement (claims.tune_lr).
+only a default: claim experiments tune it per placement (claims.run_tuned).
 Runtime: about 8 minutes a run with two runs sharing the 2-core machine (Pre-LN: 241 ms a step,
 results/norm_zoo/table.md), so a sweep costs about 4 minutes a run.
 """

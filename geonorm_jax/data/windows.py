@@ -1,4 +1,4 @@
-"""Batches: fixed-length windows cut from the token streams of data_sources.py.
+"""Batches: fixed-length windows cut from the token streams of sources.py.
 
 The trainer only ever sees batches `dict(tokens=np.int32[local_batch, seq_len + 1])` cut
 from a source's training stream (inputs are `tokens[:, :-1]`, targets `tokens[:, 1:]`):

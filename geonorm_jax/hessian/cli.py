@@ -68,7 +68,7 @@ def _label(config, workdir):
 
 def analyse_run(workdir, steps, every, settings, *, stream=None, progress=True):
   """Analyse the chosen checkpoints of one run; returns (config, rows, reports by step)."""
-  config = train._config_from_workdir(workdir)  # pylint: disable=protected-access
+  config = train.config_from_workdir(workdir)
   chosen = choose_steps(_checkpoint_steps(workdir, config), steps, every)
   out_dir = os.path.join(workdir, "hessian")
   os.makedirs(out_dir, exist_ok=True)
@@ -139,7 +139,7 @@ def run(workdirs, step=None, every=1, settings=None, out=None, stream=None, prog
   if not isinstance(every, int) or every < 1:
     raise ValueError(f"--every={every!r} must be a positive integer")
   for workdir in workdirs:  # every run checked before any is analysed
-    train._config_from_workdir(workdir)  # pylint: disable=protected-access
+    train.config_from_workdir(workdir)
   summary = {"runs": []}
   overlay_curves, overlay_densities = [], []
   for workdir in workdirs:

@@ -104,7 +104,13 @@ def get_base_config() -> ml_collections.ConfigDict:
   # A step whose loss or gradient norm is not finite: stop (exit non-zero, nothing saved after
   # the last finite checkpoint) | skip (the update is dropped inside the jitted step, counted).
   train.on_divergence = "stop"
-  train.spike_factor = 3.0  # log a loss spike event when loss > factor x running median; 0 = off
+  # A spike: the loss or the gradient norm more than spike_zscore standard deviations above its
+  # mean over the previous 128 finite steps (training/spikes.py: OLMo-core's and llm.c's rule,
+  # OLMo-core's threshold), judged once spike_warmup steps are known; 0 = off. Each is logged
+  # under `spikes` in metrics.jsonl; with skip_spikes its update is dropped inside the step.
+  train.spike_zscore = 6.0
+  train.spike_warmup = 64
+  train.skip_spikes = False
 
   ckpt = config.checkpoint = ml_collections.ConfigDict()
   ckpt.every = 100
@@ -216,9 +222,12 @@ def get_config(arg=None):
   return config
 
 
-# Keys that older versions saved: each maps to the keys that now carry its meaning.
+# Keys that older versions saved: each maps to the keys that now carry its meaning (none: a
+# rule that is gone, whose value no longer means anything).
 RETIRED_KEYS = {
     "model.dyt_alpha_init": ("model.dyt_alpha_attn", "model.dyt_alpha_ffn", "model.dyt_alpha_final"),
+    # The median-ratio loss-spike rule, replaced by train.spike_zscore's z-score.
+    "train.spike_factor": (),
 }
 
 

@@ -122,7 +122,7 @@ def verdict_of(at):
 
 
 def summarize(rows, curves, config):
-  table = ["| variant | seq_len | seeds | loss spikes per run | runs with a spike or a "
+  table = ["| variant | seq_len | seeds | spikes per run | runs with a spike or a "
            "non-finite step | final validation loss |", "|---|---|---|---|---|---|"]
   for (name, length), runs in sorted(claims.group(rows, "variant", "seq_len").items()):
     table.append(f"| {name} | {length} | {len(runs)} | {claims.cell(runs, 'loss_spikes', 1)} | "

@@ -209,10 +209,13 @@ def make_train_step(setup, compiler_options=None):
     for name, value in spike_values.items():
       step_metrics[f"{_SPIKE_PREFIX}{name}"] = value
     if spike_layer_stats is not None:
-      shapes = jax.eval_shape(spike_layer_stats, params, tokens_AxBxL1)
-      layer_values = jax.lax.cond(
-          spike, lambda: spike_layer_stats(params, tokens_AxBxL1),
-          lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+      # Under the step's activation constraints: its forward pass keeps each device's
+      # activations to its own rows, as the training forward does.
+      with sharding_lib.activation_sharding(setup.mesh, setup.rules):
+        shapes = jax.eval_shape(spike_layer_stats, params, tokens_AxBxL1)
+        layer_values = jax.lax.cond(
+            spike, lambda: spike_layer_stats(params, tokens_AxBxL1),
+            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
       for name, value in layer_values.items():
         step_metrics[f"{_SPIKE_PREFIX}{name}"] = value
     layer_grad_norms = layer_norms(grads)

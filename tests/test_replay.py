@@ -4,6 +4,7 @@ byte-identical; bad steps, names and overrides are one clear error before anythi
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -85,6 +86,15 @@ def test_a_replay_without_overrides_reproduces_the_run_bit_for_bit(run):
     replay_lib.replay(run["workdir"], from_step=15, to_step=25)
 
 
+def test_a_replay_before_the_first_checkpoint_starts_from_the_initial_state(run):
+  summary = replay_lib.replay(run["workdir"], from_step=4, to_step=8, name="early")
+  assert summary["restored_step"] == 0
+  train = _records(summary["replay_dir"], "train")
+  assert sorted(train) == list(range(1, 9))
+  for step, record in train.items():
+    assert _numbers(record) == _numbers(run["train"][step]), step
+
+
 @pytest.mark.slow  # a subprocess: the command as a user types it
 def test_a_branch_with_a_lower_lr_writes_its_own_folder_and_leaves_the_run_alone(run):
   before = _file_digests(run["workdir"])
@@ -151,10 +161,17 @@ def test_bad_steps_names_and_overrides_are_one_clear_error(run, kwargs, message)
   assert (_file_digests(run["workdir"]), _replays(run["workdir"])) == before
 
 
-def test_a_folder_without_a_run_is_named(tmp_path):
+def test_a_folder_without_a_run_or_without_checkpoints_is_named(run, tmp_path):
   with pytest.raises(FileNotFoundError, match="config.json not found"):
     replay_lib.replay(str(tmp_path), from_step=0, to_step=5)
   assert os.listdir(tmp_path) == []
+  # A replay's own folder has a config.json but no checkpoints to start from.
+  replay_dir = str(tmp_path / "a_replay")
+  os.makedirs(replay_dir)
+  shutil.copy(os.path.join(run["workdir"], "config.json"), replay_dir)
+  with pytest.raises(FileNotFoundError, match="a_replay/checkpoints does not exist"):
+    replay_lib.replay(replay_dir, from_step=10, to_step=20)
+  assert os.listdir(replay_dir) == ["config.json"]
 
 
 @pytest.mark.slow  # a subprocess

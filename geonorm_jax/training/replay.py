@@ -119,7 +119,9 @@ def _check_branch(run_config, config, overrides, workdir):
       raise ValueError(f"--config.{key}={branch_data[key]!r}: a replay reruns the batches of "
                        f"{workdir}, which data.{key.split('.', 1)[1]} chooses; it cannot change")
   setup = train_lib.make_setup(config)
-  if _state_shapes(setup) != _state_shapes(train_lib.make_setup(run_config)):
+  # The run's shapes on this replay's mesh: the mesh the run trained on may not exist here.
+  run_here = config_lib.from_dict({**run_config.to_dict(), "mesh": config.mesh.to_dict()})
+  if _state_shapes(setup) != _state_shapes(train_lib.make_setup(run_here)):
     fields = [k for k in overrides if k.startswith("model.")] or list(overrides)
     raise ValueError(f"{', '.join('--config.' + k for k in fields)}: changes the shapes of the "
                      f"model or optimizer state, so the checkpoints of {workdir} would not "
@@ -129,11 +131,9 @@ def _check_branch(run_config, config, overrides, workdir):
 
 
 def _restore(workdir, run_config, from_step, setup):
-  """(state, data_state, meta) of the newest checkpoint <= from_step, else the initial state."""
+  """(state, data_state, meta) of the newest checkpoint <= from_step, else the initial state
+  (the run started from it: init_state is a function of the seed)."""
   fingerprint = checkpoint_lib.config_fingerprint(run_config, with_data_content=True)
-  directory = os.path.join(workdir, checkpoint_lib.CHECKPOINT_SUBDIR)
-  if not os.path.isdir(directory):
-    return train_lib.init_state(setup), None, {}
   ckpt = checkpoint_lib.Checkpointer(workdir, run_config.checkpoint, fingerprint,
                                      read_only=True)
   try:

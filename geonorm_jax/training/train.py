@@ -1,10 +1,10 @@
 """Training: a sharded, jitted train step and the loop around it.
 
-The state is a plain dict {step, params, opt_state} of arrays (params as an nnx.State), laid
-out over the mesh by sharding.py and updated by one `jax.jit` with donated buffers. The loop
-never blocks on the device: step t-1's metrics are read after step t is dispatched, except at
-eval and checkpoint steps, where the step's own numbers are read first so that a non-finite
-state is never saved.
+The state is a plain dict {step, params, opt_state, spike} of arrays (params as an nnx.State,
+spike the spike rule's window), laid out over the mesh by sharding.py and updated by one
+`jax.jit` with donated buffers. The loop never blocks on the device: step t-1's metrics are
+read after step t is dispatched, except at eval and checkpoint steps, where the step's own
+numbers are read first so that a non-finite state is never saved.
 
 Divergence (a non-finite loss or gradient norm) follows `train.on_divergence`: `stop` raises
 DivergenceError naming the step with its per-layer gradient norms; `skip` drops the update
@@ -356,9 +356,8 @@ _PREEMPTION_POLL_STEPS = 10  # multi-process: a device all-gather, so not every 
 _DIAGNOSTIC_PREFIX = "diag/"  # read only when a step diverges
 _SPIKE_PREFIX = "spike/"  # read only for a spike
 _SPIKE_META_KEY = "spike_window"  # the checkpoint meta's copy of state["spike"]
-# Counts over the whole run, carried in each checkpoint's meta: (summary key, _Run attribute).
-_RUN_COUNTS = (("skipped_steps", "skipped_steps"), ("loss_spikes", "spikes"),
-               ("skipped_spikes", "skipped_spikes"))
+# Counts over the whole run, carried in each checkpoint's meta and reported in the summary.
+_RUN_COUNTS = ("skipped_steps", "loss_spikes", "skipped_spikes")
 SUMMARY_FILENAME = metrics.SUMMARY_FILENAME
 
 
@@ -372,11 +371,11 @@ class _Run:
     self.last_train_loss = float("nan")
     self.last_eval_loss = float("nan")
     # Over the whole run: restored from the checkpoint (absent from older ones: 0).
-    for key, attribute in _RUN_COUNTS:
-      setattr(self, attribute, int(restored_meta.get(key, 0)))
+    for key in _RUN_COUNTS:
+      setattr(self, key, int(restored_meta.get(key, 0)))
 
   def counts(self):
-    return {key: getattr(self, attribute) for key, attribute in _RUN_COUNTS}
+    return {key: getattr(self, key) for key in _RUN_COUNTS}
 
 
 def _checkpointed(state):
@@ -554,7 +553,7 @@ def run_loop(setup, state, train_iter, writer, ckpt, loggers, last_step, restore
       writer.write_scalars(step, {"skipped": 1.0, "skipped_total": run.skipped_steps,
                                   **values}, split="events")
     elif spike:
-      run.spikes += 1
+      run.loss_spikes += 1
       run.skipped_spikes += config.train.skip_spikes
       # The running mean and std it was judged against and its step's per-layer statistics.
       judged = jax.device_get({k[len(_SPIKE_PREFIX):]: v for k, v in step_metrics.items()

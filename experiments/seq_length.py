@@ -1,12 +1,13 @@
 """Sequence length: does Post-LN spike or collapse at long sequences while GeoNorm stays stable?
 
   python experiments/seq_length.py [--scale=judge|paper] [--seeds=0,1,2,3,4] [--quick]
-      [--variants=post,geonorm] [--seq_lens=128,256,512] [--spike_factor=1.5] [--lr=2e-3]
+      [--variants=post,geonorm] [--seq_lens=128,256,512] [--spike_zscore=6] [--lr=2e-3]
       [--print]
 
 The tokens per step stay fixed (batch x seq_len), so each length sees the same token budget.
-A loss spike (train.py's SpikeDetector, every step): a finite train loss above spike_factor x
-the median of the previous 100 finite losses (judged once 10 are known). A non-finite step is
+A spike (training/spikes.py, every step): the train loss or the gradient norm more than
+spike_zscore standard deviations above its mean over the previous 128 finite steps (judged
+once train.spike_warmup = 64 are known), the rule of OLMo-core and llm.c. A non-finite step is
 skipped (train.on_divergence=skip) and counted apart. A run is unstable with a spike or a
 non-finite step. Every run trains at one stated peak LR (LR below, --lr), to be set from the
 norm zoo's tuned LR for the base placement, Post-LN (results/norm_zoo/table.md); the judge
@@ -54,14 +55,16 @@ SCALES = {
                           "GeoNorm's 125M (12 x 768, RoPE, untied), 20k steps x 0.5M tokens "
                           "(configs/geonorm_paper.py); one stated LR."),
 }
-CURVES = (("train", "loss"), ("events", "loss_spike"), ("events", "skipped"))
+CURVES = (("train", "loss"), ("spikes", "loss_z"), ("spikes", "grad_norm_z"),
+          ("events", "skipped"))
 
 
 def add_arguments(parser):
   claims.add_variants_argument(parser, ("post", "geonorm"))
   parser.add_argument("--seq_lens", default=None, help="default 128,256,512 (judge), "
                       "512,...,4096 (paper)")
-  parser.add_argument("--spike_factor", type=float, default=1.5)
+  parser.add_argument("--spike_zscore", type=float, default=6.0,
+                      help="train.spike_zscore of every run (OLMo-core's threshold)")
   parser.add_argument("--lr", default=None, help="peak LR of every run; default LR[scale]")
 
 
@@ -81,7 +84,7 @@ def grid(args, scale):
       out.append(claims.variant(
           f"{name}/seq{length}",
           claims.join(overrides, f"seq_len={length},max_seq_len={length},"
-                      f"batch_size={tokens // length},spike_factor={args.spike_factor},"
+                      f"batch_size={tokens // length},spike_zscore={args.spike_zscore},"
                       f"on_divergence=skip,lr={args.lr}", steps),
           variant=name, seq_len=length))
   return out
@@ -119,19 +122,19 @@ def verdict_of(at):
 
 
 def summarize(rows, curves, config):
-  table = ["| variant | seq_len | seeds | loss spikes per run | runs with a spike or a "
+  table = ["| variant | seq_len | seeds | spikes per run | runs with a spike or a "
            "non-finite step | final validation loss |", "|---|---|---|---|---|---|"]
   for (name, length), runs in sorted(claims.group(rows, "variant", "seq_len").items()):
     table.append(f"| {name} | {length} | {len(runs)} | {claims.cell(runs, 'loss_spikes', 1)} | "
                  f"{sum(map(_unstable, runs))}/{len(runs)} | "
                  f"{claims.cell(runs, 'final_eval_loss')} |")
-  factor = config["args"]["spike_factor"]
+  zscore = config["args"]["spike_zscore"]
   longest = max(row["seq_len"] for row in rows)
   at = {name: runs for (name, length), runs in claims.group(rows, "variant", "seq_len").items()
         if length == longest}
   holds, support, refute = verdict_of(at)
-  table += ["", f"A spike: train loss > {factor:g} x the running median of the previous 100 "
-            f"finite losses. lr {config['args'].get('lr')}."]
+  table += ["", f"A spike: train loss or gradient norm > {zscore:g} standard deviations above "
+            f"its mean over the previous 128 finite steps. lr {config['args'].get('lr')}."]
   if support is not None:
     table += ["", f"At seq_len {longest} (one-sided exact tests): Post-LN unstable more often "
               f"than GeoNorm p = {support:.3g} (for the claim, <= {ALPHA:g}); "
@@ -148,7 +151,7 @@ def summarize(rows, curves, config):
       axes.errorbar(lengths, means, yerr=stds, marker="o", capsize=3, color=f"C{i}", label=name)
     axes.set_xscale("log", base=2)
     axes.set_xlabel("sequence length (tokens)")
-    axes.set_ylabel(f"loss spikes per run (loss > {factor:g} x running median)")
+    axes.set_ylabel(f"spikes per run (loss or gradient norm z > {zscore:g})")
     axes.set_title("spikes vs sequence length, same tokens per step (mean +- std)", fontsize=9)
     axes.legend(fontsize=8)
     axes.grid(alpha=0.3)

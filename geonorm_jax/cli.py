@@ -16,6 +16,11 @@ Commands:
            a progress bar. --step=S|latest|all (--every=K), several --workdir to
            compare runs (figures in --out), --estimates=top,density,trace,precond,
            --lanczos_steps, --probes, --lanes, --batches, --eigenvalues, --hvp, --seed.
+  replay   Rerun steps of a run on its own batches with the per-layer statistics at every
+           step: --from_step=S --to_step=E restores the newest checkpoint at or before S and
+           trains to E into RUN/replays/NAME/ (--name, default from the steps and overrides);
+           --config.X=... branches it (e.g. --config.train.lr=3e-4): the run's config.json
+           is the config, RUN itself is never written.
   main     The README's main job: GeoNorm (harmonic) vs Pre-LN on the built-in corpus,
            tiny model, both runs under --workdir, then loss_curves.png, summary.md and a
            sample from the better run.
@@ -35,6 +40,8 @@ Examples:
       --config.train.steps=100
   python -m geonorm_jax sample --workdir=/tmp/tiny --prompt="The " --num_tokens=200
   python -m geonorm_jax hessian --workdir=/tmp/tiny --workdir=/tmp/geo --step=all
+  python -m geonorm_jax replay --workdir=/tmp/tiny --from_step=150 --to_step=180 \\
+      --config.train.skip_spikes=true
   python -m geonorm_jax main --workdir=runs/main
   python -m geonorm_jax prepare --input='corpus/*.jsonl' --output_dir=data/my_corpus
   python -m geonorm_jax export --workdir=/tmp/tiny --out=/tmp/tiny_hf
@@ -47,6 +54,8 @@ workdir, an unreadable checkpoint), 2 a bad command line or config, 3 training d
 130 stopped by Ctrl-C after saving. Errors are one line; --verbosity=0 adds the traceback.
 """
 import json
+import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -54,7 +63,8 @@ from ml_collections import config_flags
 
 from geonorm_jax.data import prepare  # defines the prepare command's flags
 
-COMMANDS = ("train", "eval", "sample", "hessian", "main", "prepare", "report", "export")
+COMMANDS = ("train", "eval", "sample", "hessian", "main", "prepare", "report", "export",
+            "replay")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, `configs/FILE.py` or `configs/FILE.py:ARG`; override keys "
@@ -81,6 +91,11 @@ _BATCHES = flags.DEFINE_integer("batches", 4, "hessian: validation batches in th
 _EIGENVALUES = flags.DEFINE_integer("eigenvalues", 10, "hessian: how many top eigenvalues.")
 _HVP = flags.DEFINE_enum("hvp", "linearized", ["linearized", "recomputed"], "hessian: linearize "
                          "the gradient once (fast) or recompute it per product (less memory).")
+_FROM_STEP = flags.DEFINE_integer("from_step", None, "replay: the first step to rerun comes "
+                                  "after the newest checkpoint at or before this step.")
+_TO_STEP = flags.DEFINE_integer("to_step", None, "replay: the last step to rerun.")
+_NAME = flags.DEFINE_string("name", None, "replay: folder under RUN/replays/; default from the "
+                            "steps and the overrides.")
 _OUT = flags.DEFINE_string("out", None, "hessian with several --workdir: where the comparison "
                            "figures go; default hessian_compare/ next to the runs. export: the "
                            "new (or empty) folder to write.")
@@ -239,6 +254,23 @@ def run_export():
   _print_json(result)
 
 
+def run_replay():
+  from geonorm_jax.hessian import callback as hessian_callback  # pylint: disable=g-import-not-at-top
+  from geonorm_jax.training import replay, train  # pylint: disable=g-import-not-at-top
+  workdir = _require_workdir()
+  if _FROM_STEP.value is None or _TO_STEP.value is None:
+    raise CommandError("replay needs --from_step=S and --to_step=E")
+  config = _config_value()  # the run's config.json with the overrides (see _parse_flags)
+  try:
+    summary = replay.replay(workdir, _FROM_STEP.value, _TO_STEP.value, config=config,
+                            name=_NAME.value, loggers=hessian_callback.step_loggers(config))
+  except train.DivergenceError:
+    raise
+  except (ValueError, FileNotFoundError) as e:  # a bad range, name, override or workdir
+    raise CommandError(str(e)) from None
+  _print_json(summary)
+
+
 def run_main():
   from geonorm_jax import main_job  # pylint: disable=g-import-not-at-top
   main_job.run(_require_workdir())
@@ -268,8 +300,8 @@ def run_report(*results_dirs):
 
 
 _RUNNERS = {"train": run_train, "eval": run_eval, "sample": run_sample,
-            "hessian": run_hessian, "main": run_main, "prepare": run_prepare,
-            "report": run_report, "export": run_export}
+            "hessian": run_hessian, "replay": run_replay, "main": run_main,
+            "prepare": run_prepare, "report": run_report, "export": run_export}
 
 
 def _exit_code(err):
@@ -306,8 +338,23 @@ def main(argv):
     sys.exit(_exit_code(e))
 
 
+def _with_run_config(argv):
+  """`replay` without --config: --config=<saved_config.py>:RUN goes first, so that RUN's own
+  config.json is the config and --config.X=... overrides apply to it (config_flags defines the
+  override flags only for a config file it loaded)."""
+  if "replay" not in argv[1:] or any(re.match(r"^--?config(=|$)", arg) for arg in argv):
+    return argv
+  workdirs = [value for flag, value in zip(argv, argv[1:]) if flag in ("--workdir", "-workdir")]
+  workdirs += [arg.split("=", 1)[1] for arg in argv if arg.startswith(("--workdir=", "-workdir="))]
+  if len(workdirs) != 1:
+    return argv  # run_replay names the problem
+  loader = os.path.join(os.path.dirname(os.path.abspath(__file__)), "training", "saved_config.py")
+  return [argv[0], f"--config={loader}:{workdirs[0]}", *argv[1:]]
+
+
 def _parse_flags(argv):
   """absl's parsing, with a bad flag or config override as one line (exit 2)."""
+  argv = _with_run_config(argv)
   try:
     return flags.FLAGS(argv)
   except Exception as e:  # pylint: disable=broad-except

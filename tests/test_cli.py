@@ -9,7 +9,7 @@ import time
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMANDS = ("train", "eval", "sample", "hessian", "main")
+COMMANDS = ("train", "eval", "sample", "hessian", "main", "replay")
 
 # Small enough that a subprocess trains it in a few seconds on one CPU core.
 TINY_OVERRIDES = [

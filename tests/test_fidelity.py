@@ -128,6 +128,8 @@ def test_collapse_diagnostics_against_closed_forms():
   same = np.broadcast_to(h[0, 0], h.shape)
   assert float(collapse.token_cosine(jnp.asarray(same))) == pytest.approx(1.0, abs=1e-6)
   assert float(collapse.logit_spread(jnp.asarray(same))) == pytest.approx(0.0, abs=1e-6)
+  # More tokens than int32 can count pairs of (a paper-scale batch): still 1 for equal tokens.
+  assert float(collapse.token_cosine(jnp.ones((50_000, 2)))) == pytest.approx(1.0, abs=1e-4)
   assert float(collapse.logit_spread(jnp.asarray(h))) == pytest.approx(flat.std(0).mean(), rel=1e-5)
   x = jnp.asarray([0.0, 1.0, 3.0, -10.0])
   assert float(collapse.tanh_saturated(x, 1.0)) == 0.5  # tanh(3) and tanh(-10) pass 0.99

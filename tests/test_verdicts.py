@@ -312,13 +312,13 @@ def _seq_rows(unstable, seeds=5):
 def test_seq_length_rule(unstable, seeds, expected):
   seq = load("seq_length")
   summary = seq.summarize(_seq_rows(unstable, seeds), [],
-                          config("seq_length", spike_factor=1.5, lr="2e-3"))
+                          config("seq_length", spike_zscore=6.0, lr="2e-3"))
   assert summary.verdict == expected, summary.result
 
 
 def test_seq_length_contradicted_at_paper_scale():
   summary = load("seq_length").summarize(_seq_rows({"post": 1, "geonorm": 5}), [],
-                                         config("seq_length", "paper", spike_factor=1.5))
+                                         config("seq_length", "paper", spike_zscore=6.0))
   assert summary.verdict == "contradicted"
 
 
@@ -572,7 +572,7 @@ def _reproduced_cases():
       "geonorm_decay": (_decay_rows({"harmonic": 1.50}, {}), [], {"lr": "1e-3"}),
       "residual_step": (_step_rows(0.1), [], {"lr": "2e-3"}),
       "divergence_trials": (trial_rows, trial_curves, {"lr": "2e-2"}),
-      "seq_length": (_seq_rows({"post": 5, "geonorm": 0}), [], {"spike_factor": 1.5}),
+      "seq_length": (_seq_rows({"post": 5, "geonorm": 0}), [], {"spike_zscore": 6.0}),
       "update_balance": (balance_rows, balance_curves, {}),
       "depth_growth": (depth_rows, depth_curves, {}),
       "lr_tolerance": (_tolerance_rows({"pre": PRE, "simplenorm": _simplenorm(6)}), [], {}),

@@ -26,7 +26,8 @@ def token_cosine(h_BxLxD):
   norm = jnp.sqrt(jnp.sum(h * h, axis=-1, keepdims=True))
   u = h / jnp.where(norm > 0, norm, 1.0)
   total = jnp.sum(u, axis=0)
-  return (jnp.sum(total * total) - jnp.sum(u * u)) / (count * (count - 1))
+  # A Python float: count * (count - 1) overflows int32 past 46341 tokens (a 0.5M-token batch).
+  return (jnp.sum(total * total) - jnp.sum(u * u)) / (float(count) * (count - 1))
 
 
 def logit_spread(logits_BxLxV):

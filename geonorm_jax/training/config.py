@@ -114,7 +114,13 @@ def get_base_config() -> ml_collections.ConfigDict:
   # sweeps far past the optimum (experiments/lr_sensitivity.py), where such a run counts at
   # the capped loss anyway: it evaluates, writes its summary (gave_up_step) and ends.
   train.give_up_steps = 0
-  train.spike_factor = 3.0  # log a loss spike event when loss > factor x running median; 0 = off
+  # A spike: the loss or the gradient norm more than spike_zscore standard deviations above its
+  # mean over the previous 128 finite steps (training/spikes.py: OLMo-core's and llm.c's rule,
+  # OLMo-core's threshold), judged once spike_warmup steps are known; 0 = off. Each is logged
+  # under `spikes` in metrics.jsonl; with skip_spikes its update is dropped inside the step.
+  train.spike_zscore = 6.0
+  train.spike_warmup = 64
+  train.skip_spikes = False
   # Weights & Biases (training/tracking.py; `pip install -e ".[wandb]"`): off | online |
   # offline (files in WORKDIR/wandb/, no network; `wandb sync` uploads them later).
   train.wandb = "off"
@@ -234,9 +240,12 @@ def get_config(arg=None):
   return config
 
 
-# Keys that older versions saved: each maps to the keys that now carry its meaning.
+# Keys that older versions saved: each maps to the keys that now carry its meaning (none: a
+# rule that is gone, whose value no longer means anything).
 RETIRED_KEYS = {
     "model.dyt_alpha_init": ("model.dyt_alpha_attn", "model.dyt_alpha_ffn", "model.dyt_alpha_final"),
+    # The median-ratio loss-spike rule, replaced by train.spike_zscore's z-score.
+    "train.spike_factor": (),
 }
 
 

@@ -1,17 +1,21 @@
 """Training: a sharded, jitted train step and the loop around it.
 
-The state is a plain dict {step, params, opt_state} of arrays (params as an nnx.State), laid
-out over the mesh by sharding.py and updated by one `jax.jit` with donated buffers. The loop
-never blocks on the device: step t-1's metrics are read after step t is dispatched, except at
-eval and checkpoint steps, where the step's own numbers are read first so that a non-finite
-state is never saved.
+The state is a plain dict {step, params, opt_state, spike} of arrays (params as an nnx.State,
+spike the spike rule's window), laid out over the mesh by sharding.py and updated by one
+`jax.jit` with donated buffers. The loop never blocks on the device: step t-1's metrics are
+read after step t is dispatched, except at eval and checkpoint steps, where the step's own
+numbers are read first so that a non-finite state is never saved.
 
 Divergence (a non-finite loss or gradient norm) follows `train.on_divergence`: `stop` raises
 DivergenceError naming the step with its per-layer gradient norms; `skip` drops the update
 inside the jitted step (parameters and optimizer state unchanged, step counter and data
 advance) and counts it.
+
+Spikes (training/spikes.py: the loss or the gradient norm train.spike_zscore standard
+deviations above its mean over the previous 128 steps) are judged inside the step from running
+statistics kept in the state, so `train.skip_spikes` drops a spike's update the same way; each
+spike is logged under `spikes` with the per-layer statistics of its own step.
 """
-import collections
 import dataclasses
 import functools
 import json
@@ -36,7 +40,7 @@ from geonorm_jax.training import checkpoint as checkpoint_lib
 from geonorm_jax.training import collapse
 from geonorm_jax.training import compile_options
 from geonorm_jax.training import config as config_lib
-from geonorm_jax.training import metrics, optim, tracking
+from geonorm_jax.training import metrics, optim, spikes, tracking
 from geonorm_jax.training import validate as validate_lib
 
 
@@ -108,6 +112,7 @@ def make_setup(config, devices=None):
       "step": jax.ShapeDtypeStruct((), jnp.int32),
       "params": abstract_params,
       "opt_state": jax.eval_shape(optimizer.init, abstract_params),
+      "spike": jax.eval_shape(spikes.init),
   }
   state_shardings = sharding_lib.tree_shardings(abstract_state, mesh, rules)
   batch_sharding = sharding_lib.batch_sharding(mesh, rules, ndim=3, batch_dim=1)
@@ -122,7 +127,7 @@ def init_state(setup, seed=None):
   def init():
     params = nnx.state(model_lib.build(setup.spec, seed=seed))
     return {"step": jnp.zeros((), jnp.int32), "params": params,
-            "opt_state": setup.optimizer.init(params)}
+            "opt_state": setup.optimizer.init(params), "spike": spikes.init()}
   if jax.default_backend() != "gpu":
     return jax.jit(init, out_shardings=setup.state_shardings)()
   # XLA inlines every threefry call on a GPU: GPT-2 124M's init compiled for 3 min; the
@@ -164,10 +169,18 @@ def make_train_step(setup, compiler_options=None):
     compiler_options = compile_options.for_mesh(setup.mesh)
   graphdef, optimizer, schedule = setup.graphdef, setup.optimizer, setup.schedule
   after_update = setup.spec.placement.after_update
-  with_layer_stats = setup.config.train.layer_stats_every > 0
-  skip_nonfinite = setup.config.train.on_divergence == "skip"
+  train_config = setup.config.train
+  with_layer_stats = train_config.layer_stats_every > 0
+  skip_nonfinite = train_config.on_divergence == "skip"
+  skip_spikes = train_config.skip_spikes
+  spike_zscore, spike_warmup = float(train_config.spike_zscore), int(train_config.spike_warmup)
   with_z_loss = setup.spec.z_loss > 0
   layer_norms = functools.partial(_per_layer_norms, scan_layers=setup.spec.scan_layers)
+  # A spike's per-layer statistics are those of its own step (the parameters before the
+  # update, on its batch). The loop reads the flag one step late, when those parameters have
+  # been donated, so they are taken here, in a branch that runs only on a flagged step.
+  spike_layer_stats = (make_stream_stats(setup) if spike_zscore > 0 and with_layer_stats
+                       else None)
 
   def train_step(state, tokens_AxBxL1):
     params = state["params"]
@@ -179,19 +192,42 @@ def make_train_step(setup, compiler_options=None):
       new_params = after_update(new_params)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if skip_nonfinite:
+    spike_stats, spike, spike_values = spikes.observe(state["spike"], loss, grad_norm,
+                                                      spike_zscore, spike_warmup)
+    if skip_nonfinite or skip_spikes:
+      apply = jnp.ones((), bool)
+      if skip_nonfinite:
+        apply &= finite
+      if skip_spikes:
+        apply &= ~spike
       # An elementwise select that XLA fuses into the update: no host round trip, and the
       # same decision on every device since loss and grad_norm are replicated.
-      keep = lambda new, old: jnp.where(finite, new, old)
+      keep = lambda new, old: jnp.where(apply, new, old)
       new_params = jax.tree.map(keep, new_params, params)
       opt_state = jax.tree.map(keep, opt_state, state["opt_state"])
     step_metrics = {"loss": loss, "grad_norm": grad_norm,
                     "lr": schedule(state["step"]),
                     "nonfinite": 1.0 - finite.astype(jnp.float32),
                     # `loss` is the objective; its cross-entropy compares across runs.
-                    "cross_entropy": terms.cross_entropy}
+                    "cross_entropy": terms.cross_entropy,
+                    "spike": spike.astype(jnp.float32),
+                    "loss_z": spike_values.pop("loss_z"),
+                    "grad_norm_z": spike_values.pop("grad_norm_z")}
     if with_z_loss:
       step_metrics["z_loss"] = terms.z_loss
+    # The running mean and std a spike was judged against: read only for a spike.
+    for name, value in spike_values.items():
+      step_metrics[f"{_SPIKE_PREFIX}{name}"] = value
+    if spike_layer_stats is not None:
+      # Under the step's activation constraints: its forward pass keeps each device's
+      # activations to its own rows, as the training forward does.
+      with sharding_lib.activation_sharding(setup.mesh, setup.rules):
+        shapes = jax.eval_shape(spike_layer_stats, params, tokens_AxBxL1)
+        layer_values = jax.lax.cond(
+            spike, lambda: spike_layer_stats(params, tokens_AxBxL1),
+            lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+      for name, value in layer_values.items():
+        step_metrics[f"{_SPIKE_PREFIX}{name}"] = value
     layer_grad_norms = layer_norms(grads)
     # Kept on the device and read only when a step diverges: which layer blew up.
     for layer, value in layer_grad_norms.items():
@@ -203,7 +239,8 @@ def make_train_step(setup, compiler_options=None):
       for layer, value in update_norms.items():  # as metrics.update_ratio
         step_metrics[f"update_ratio/{layer}"] = value / jnp.maximum(
             param_norms[layer], jnp.finfo(jnp.float32).tiny)
-    return {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}, step_metrics
+    return ({"step": state["step"] + 1, "params": new_params, "opt_state": opt_state,
+             "spike": spike_stats}, step_metrics)
 
   return jax.jit(train_step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                  out_shardings=(setup.state_shardings, None), donate_argnums=0,
@@ -329,45 +366,30 @@ def _resolved_config_text(config):
 
 
 _PREEMPTION_POLL_STEPS = 10  # multi-process: a device all-gather, so not every step
-_DIAGNOSTIC_PREFIX = "diag/"
-_SPIKE_WINDOW = 100  # steps in the running median a loss spike is measured against
-_SPIKE_MIN_HISTORY = 10
+_DIAGNOSTIC_PREFIX = "diag/"  # read only when a step diverges
+_SPIKE_PREFIX = "spike/"  # read only for a spike
+_SPIKE_META_KEY = "spike_window"  # the checkpoint meta's copy of state["spike"]
+# Counts over the whole run, carried in each checkpoint's meta and reported in the summary.
+_RUN_COUNTS = ("skipped_steps", "loss_spikes", "skipped_spikes")
 SUMMARY_FILENAME = metrics.SUMMARY_FILENAME
 
 
-class SpikeDetector:
-  """Flags a finite loss above `factor` x the median of the previous `window` finite losses
-  (judged only once `min_history` are known); factor 0 turns it off."""
-
-  def __init__(self, factor, window=_SPIKE_WINDOW, min_history=_SPIKE_MIN_HISTORY):
-    self.factor, self.min_history = factor, min_history
-    self.recent = collections.deque(maxlen=window)
-
-  def observe(self, loss):
-    """The running median if `loss` is a spike, else None; `loss` joins the history."""
-    median = None
-    if self.factor and len(self.recent) >= self.min_history:
-      median = float(np.median(self.recent))
-      if not loss > self.factor * median:
-        median = None
-    self.recent.append(loss)
-    return median
-
-
 class _Run:
-  """The loop's bookkeeping: throughput window, last values, divergence and spike tracking."""
+  """The loop's bookkeeping: throughput window, last values, divergence and spike counts."""
 
-  def __init__(self, skipped_steps, spike_factor):
+  def __init__(self, restored_meta):
     self.window_start = time.perf_counter()
     self.window_steps = 0
     self.tokens_per_s = float("nan")
     self.last_train_loss = float("nan")
     self.last_eval_loss = float("nan")
-    self.skipped_steps = skipped_steps  # over the whole run, restored from the checkpoint
-    self.spikes = 0
-    self.spike_detector = SpikeDetector(spike_factor)
-    self.first_loss = None  # the first logged train loss: the loss at initialisation
-    self.steps_above_first = 0
+    # Over the whole run: restored from the checkpoint (absent from older ones: 0).
+    for key in _RUN_COUNTS:
+      setattr(self, key, int(restored_meta.get(key, 0)))
+    # train.give_up_steps: the run's first logged train loss (its loss at initialisation) and
+    # the steps since above it, carried in the checkpoint meta so that a resume keeps both.
+    self.first_loss = restored_meta.get("first_loss")
+    self.steps_above_first = int(restored_meta.get("steps_above_first", 0))
     self.gave_up_step = None
 
   def track_rise(self, step, loss, give_up_steps):
@@ -379,6 +401,30 @@ class _Run:
     self.steps_above_first = self.steps_above_first + 1 if above else 0
     if give_up_steps and self.steps_above_first >= give_up_steps and self.gave_up_step is None:
       self.gave_up_step = step
+
+  def counts(self):
+    return {key: getattr(self, key) for key in _RUN_COUNTS}
+
+  def meta(self):
+    """What a checkpoint's meta carries of the loop's bookkeeping."""
+    return {**self.counts(), "first_loss": self.first_loss,
+            "steps_above_first": self.steps_above_first}
+
+
+def _checkpointed(state):
+  """What a checkpoint holds as arrays: the state without its spike statistics, which go
+  into the meta (JSON) so that checkpoints written before they existed still restore."""
+  return {key: value for key, value in state.items() if key != "spike"}
+
+
+def restore_state(ckpt, step, setup):
+  """(state, data_state) of checkpoint `step` (None: the newest readable one), read straight
+  into the setup's shardings; the spike statistics come from its meta (a checkpoint without
+  them starts an empty window, judged again after train.spike_warmup steps)."""
+  abstract = sharded_abstract_state(setup)
+  state, data_state = ckpt.restore(step, _checkpointed(abstract))
+  window = spikes.from_json(ckpt.restored_meta.get(_SPIKE_META_KEY), abstract["spike"])
+  return {**state, "spike": window}, data_state
 
 
 def _divergence_message(step, values, diagnostics, durable_step, workdir):
@@ -392,7 +438,7 @@ def _divergence_message(step, values, diagnostics, durable_step, workdir):
           "(or raise warmup), or set train.on_divergence=skip to drop such steps.")
 
 
-def _write_summary(workdir, summary):
+def write_summary(workdir, summary):
   if jax.process_index() == 0:
     checkpoint_lib.write_text_atomic(os.path.join(workdir, SUMMARY_FILENAME),
                                      json.dumps(summary, indent=2))
@@ -458,7 +504,7 @@ def _train_locked(config, workdir, setup, restore_step, loggers):
     state, data_state = None, None
     if restore_step is not None or ckpt.all_steps():
       # Before anything is written to workdir: a config mismatch leaves it untouched.
-      state, data_state = ckpt.restore(restore_step, sharded_abstract_state(setup))
+      state, data_state = restore_state(ckpt, restore_step, setup)
       if restore_step is not None:
         _set_aside_newer(ckpt, restore_step)
     latest = None if state is None else int(state["step"])
@@ -474,22 +520,56 @@ def _train_locked(config, workdir, setup, restore_step, loggers):
   except BaseException:
     ckpt.close()
     raise
+  try:
+    # Metrics never run ahead of the last durable step: whatever a crashed run logged after
+    # its newest readable checkpoint (or at all, without one) is redone, so it goes.
+    writer = open_writer(workdir, config, after_step=latest or 0, tracker=tracker)
+    dp = sharding_lib.data_parallel_size(setup.mesh.shape, setup.rules)
+    train_iter = data_lib.make_train_iterator(config, data_parallel_size=dp)
+    if state is None:
+      state = init_state(setup)
+    else:
+      train_iter.set_state(data_state)
+      ckpt.durable_step = latest
+  except BaseException:
+    ckpt.close()
+    if tracker is not None:
+      tracker.finish(exit_code=1)  # marked failed in W&B; the error goes on up
+    raise
+  try:
+    summary = run_loop(setup, state, train_iter, writer, ckpt, loggers,  # closes ckpt, writer
+                       last_step=config.train.steps, restored_meta=ckpt.restored_meta)
+  except BaseException:
+    if tracker is not None:
+      tracker.finish(exit_code=1)
+    raise
+  write_summary(workdir, summary)
+  if tracker is not None:
+    tracker.finish(summary)
+  return summary
+
+
+def open_writer(workdir, config, after_step=0, tracker=None):
+  """Writes config.json into a run folder and returns its MetricsWriter (sending on to
+  `tracker` too), with whatever metrics.jsonl held after `after_step` dropped (a resumed run
+  redoes those steps)."""
   checkpoint_lib.save_config_json(workdir, config)
   writer = metrics.MetricsWriter(workdir, tracker=tracker)
-  # Metrics never run ahead of the last durable step: whatever a crashed run logged after
-  # its newest readable checkpoint (or at all, without one) is redone, so it goes.
-  writer.truncate_after(latest or 0)
+  writer.truncate_after(after_step)
   writer.write_text("config", _resolved_config_text(config))
+  return writer
 
-  dp = sharding_lib.data_parallel_size(setup.mesh.shape, setup.rules)
-  train_iter = data_lib.make_train_iterator(config, data_parallel_size=dp)
-  if state is None:
-    state = init_state(setup)
-  else:
-    train_iter.set_state(data_state)
-    ckpt.durable_step = latest
+
+def run_loop(setup, state, train_iter, writer, ckpt, loggers, last_step, restored_meta):
+  """Trains from state["step"] + 1 to `last_step` (the schedule still ends at train.steps)
+  and returns the summary; closes ckpt and writer.
+
+  `ckpt` saves every checkpoint.every steps, at `last_step` and on preemption (a replay
+  passes one that saves nothing); `restored_meta` carries the run's counts (skipped steps,
+  spikes) from the checkpoint the state came from. Shared by `train` and `replay`.
+  """
+  config = setup.config
   start = int(state["step"])
-
   train_step = make_train_step(setup)
   eval_step = make_eval_step(setup)
   stream_stats = make_stream_stats(setup) if config.train.layer_stats_every > 0 else None
@@ -499,37 +579,41 @@ def _train_locked(config, workdir, setup, restore_step, loggers):
   flops = flops_per_token(setup, config.data.seq_len)
   peak = metrics.device_peak_flops(jax.devices()[0].device_kind, config.model.dtype,
                                    config.train.peak_flops)
-  bar = metrics.ProgressBar(config.train.steps, start_step=start,
+  bar = metrics.ProgressBar(last_step, start_step=start,
                             enabled=config.train.progress_bar and jax.process_index() == 0)
   ckpt.install_sigterm_handler()
-  run = _Run(int(ckpt.restored_meta.get("skipped_steps", 0)), config.train.spike_factor)
+  run = _Run(restored_meta)
   monitor = collapse.CollapseMonitor()
   pending = None
   started = time.perf_counter()
 
   def log_train(step, step_metrics):
-    scalars = {k: v for k, v in step_metrics.items() if not k.startswith(_DIAGNOSTIC_PREFIX)}
+    held = (_DIAGNOSTIC_PREFIX, _SPIKE_PREFIX)
+    scalars = {k: v for k, v in step_metrics.items() if not k.startswith(held)}
     values = {k: float(v) for k, v in jax.device_get(scalars).items()}
+    spike = values.pop("spike")
     if values.pop("nonfinite"):
       if config.train.on_divergence == "stop":
         diagnostics = jax.device_get({k: v for k, v in step_metrics.items()
                                       if k.startswith(_DIAGNOSTIC_PREFIX)})
         writer.write_scalars(step, {"diverged": 1.0, **values}, split="events")
         raise DivergenceError(_divergence_message(step, values, diagnostics,
-                                                  ckpt.durable_step, workdir), step)
+                                                  ckpt.durable_step, writer.workdir), step)
       run.skipped_steps += 1
       writer.write_scalars(step, {"skipped": 1.0, "skipped_total": run.skipped_steps,
                                   **values}, split="events")
-    else:
-      median = run.spike_detector.observe(values["loss"])
-      if median is not None:
-        run.spikes += 1
-        writer.write_scalars(step, {"loss_spike": values["loss"], "running_median": median,
-                                    "ratio": values["loss"] / median}, split="events")
+    elif spike:
+      run.loss_spikes += 1
+      run.skipped_spikes += config.train.skip_spikes
+      # The running mean and std it was judged against and its step's per-layer statistics.
+      judged = jax.device_get({k[len(_SPIKE_PREFIX):]: v for k, v in step_metrics.items()
+                               if k.startswith(_SPIKE_PREFIX)})
+      writer.write_scalars(step, {**values, **judged,
+                                  "skipped": float(config.train.skip_spikes)}, split="spikes")
     run.last_train_loss = values["loss"]
     run.track_rise(step, values["loss"], config.train.give_up_steps)
     bar.update(step, values["loss"])
-    if step % config.train.log_every == 0 or step == config.train.steps:
+    if step % config.train.log_every == 0 or step == last_step:
       now = time.perf_counter()
       if run.window_steps:
         run.tokens_per_s = run.window_steps * tokens_per_step / (now - run.window_start)
@@ -539,7 +623,7 @@ def _train_locked(config, workdir, setup, restore_step, loggers):
       writer.write_scalars(step, values)
 
   try:
-    for step in range(start + 1, config.train.steps + 1):
+    for step in range(start + 1, last_step + 1):
       tokens = global_batch(setup, next(train_iter))
       if stream_stats is not None and (step - 1) % config.train.layer_stats_every == 0:
         layer_values = jax.device_get(stream_stats(state["params"], tokens))
@@ -568,8 +652,8 @@ def _train_locked(config, workdir, setup, restore_step, loggers):
         writer.write_scalars(step, {"gave_up": 1.0, "first_loss": run.first_loss},
                              split="events")
         break
-      is_eval = step % config.train.eval_every == 0 or step == config.train.steps
-      save = stop or ckpt.should_save(step) or step == config.train.steps
+      is_eval = step % config.train.eval_every == 0 or step == last_step
+      save = stop or ckpt.should_save(step) or step == last_step
       if is_eval or save:
         log_train(*pending)  # this step's numbers first: a diverged step is never saved
         pending = None
@@ -583,36 +667,26 @@ def _train_locked(config, workdir, setup, restore_step, loggers):
               f"the parameters after step {step} are not finite although its loss and "
               f"gradient were; nothing was saved (newest checkpoint: {ckpt.durable_step})",
               step)
-        ckpt.save(step, state, train_iter.get_state(), force=True,
-                  extra_meta={"skipped_steps": run.skipped_steps})
+        ckpt.save(step, _checkpointed(state), train_iter.get_state(), force=True,
+                  extra_meta={**run.meta(), _SPIKE_META_KEY: spikes.to_json(state["spike"])})
       if stop:
         break
     if pending is not None:
       log_train(*pending)
     ckpt.wait()  # the final save is on disk before the summary says so
-  except BaseException:
-    if tracker is not None:
-      tracker.finish(exit_code=1)  # marked failed in W&B; the error goes on up
-    raise
   finally:
     bar.close()
     ckpt.close()
     writer.close()
-  final_step = int(state["step"])
-  summary = {"final_step": final_step, "final_train_loss": run.last_train_loss,
-             "final_eval_loss": run.last_eval_loss, "tokens_per_s": run.tokens_per_s,
-             "wall_s": time.perf_counter() - started, "preempted": bool(ckpt.preempted),
-             "interrupted": bool(ckpt.interrupted), "skipped_steps": run.skipped_steps,
-             "loss_spikes": run.spikes, "collapse_step": monitor.first_step,
-             "gave_up_step": run.gave_up_step}
-  _write_summary(workdir, summary)
-  if tracker is not None:
-    tracker.finish(summary)
-  return summary
+  return {"final_step": int(state["step"]), "final_train_loss": run.last_train_loss,
+          "final_eval_loss": run.last_eval_loss, "tokens_per_s": run.tokens_per_s,
+          "wall_s": time.perf_counter() - started, "preempted": bool(ckpt.preempted),
+          "interrupted": bool(ckpt.interrupted), **run.counts(),
+          "collapse_step": monitor.first_step, "gave_up_step": run.gave_up_step}
 
 
 def config_from_workdir(workdir):
-  """The config a run was trained with (workdir/config.json)."""
+  """A run's saved config (workdir/config.json) laid over the base config."""
   path = os.path.join(workdir, checkpoint_lib.CONFIG_FILENAME)
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} not found: is {workdir} a training run's workdir?")

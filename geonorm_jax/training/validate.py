@@ -6,6 +6,8 @@ checks live in spec.py, the data's in data.py; train.validate runs all three.
 """
 import math
 
+from geonorm_jax.training import spikes
+
 DIVERGENCE_POLICIES = ("stop", "skip")
 DISTRIBUTED_MODES = ("auto", "true", "false")
 WANDB_MODES = ("off", "online", "offline")
@@ -78,9 +80,9 @@ def check_fields(config):
   check.non_negative("train.sample_tokens")
   check.choice("train.on_divergence", DIVERGENCE_POLICIES)
   check.non_negative("train.give_up_steps", "0 = never")
-  spike = check.finite("train.spike_factor")
-  if spike != 0 and spike <= 1:
-    check.fail("train.spike_factor", "must be > 1 (or 0 = off)")
+  check.non_negative("train.spike_zscore", "0 = off")
+  # A standard deviation needs two values; a warm-up longer than the window never ends.
+  check.within("train.spike_warmup", 2, spikes.WINDOW)
   check.choice("train.wandb", WANDB_MODES)
   if str(config.train.wandb).lower() != "off":
     _check_wandb_names(check, config.train)

@@ -2,7 +2,7 @@
 the optimum, at several widths (Wortsman et al. 2023, arXiv 2309.14322, "Small-scale proxies
 for large-scale Transformer training instabilities").
 
-  python experiments/lr_sensitivity.py [--widths=32,64,128] [--variants=pre,...]
+  python experiments/lr_sensitivity.py [--scale=judge|paper] [--widths=32,64,128] [--variants=pre,...]
       [--seeds=100] [--lrs=2.5e-4,...,1.024] [--jobs=N] [--print] [--quick]
 
 Every variant trains at every LR of one wide grid (factors of 2 from 2.5e-4 to 1.024: the
@@ -39,7 +39,9 @@ and lr_tolerance already trained at d = 128 (4 to 10 of its 13); all 12 variants
 up to 15 hours. Order if compute runs short: pre, pre_qknorm, pre_llama, simplenorm_llama,
 peri, post, geonorm, deepnorm, at d = 32 and 64 first (--widths=32,64: about a quarter of
 the cost).
---quick: widths 32, two LRs, 60 steps, one seed: a smoke run, not a verdict.
+--quick: widths 32, two LRs, 60 steps, one seed: a smoke run, not a verdict. Paper scale
+(an accelerator job): GPT-2 124M's recipe (configs/gpt2.py, 20k steps) at widths 768, 1024
+and 1536 (head dimension 64) on a factor-2 grid from 7.5e-5 to 0.31 around its lr 6e-4.
 Writes results/lr_sensitivity/{results.csv, curves.csv, table.md, config.json, verdict.json,
 loss_vs_lr.png, sensitivity_vs_width.png}.
 Verdict (one of the papers' stability claims in Wortsman et al.'s terms): reproduced when
@@ -62,10 +64,14 @@ CLAIM = ("SimpleNorm lowers Pre-LN's learning-rate sensitivity (the stability cl
          "Wortsman et al.'s LR sensitivity)")
 PAPER_NUMBER = "SimpleGPT: 3-10x the LR; Wortsman et al.: QK-layernorm lowers LR sensitivity"
 LRS = "2.5e-4,5e-4,1e-3,2e-3,4e-3,8e-3,1.6e-2,3.2e-2,6.4e-2,0.128,0.256,0.512,1.024"
-SWEPT_LRS = {"judge": LRS}
-WIDTHS = "32,64,128"
-JUDGE_WIDTH = 128  # the judge scale's width: its runs are the shared LR-grid runs
-HEAD_DIM = 32
+# Paper scale: GPT-2 124M's recipe (lr 6e-4) on the same factor-2 grid around its LR.
+SWEPT_LRS = {"judge": LRS, "paper": "7.5e-5,1.5e-4,3e-4,6e-4,1.2e-3,2.4e-3,4.8e-3,9.6e-3,"
+                                     "1.92e-2,3.84e-2,7.68e-2,0.1536,0.3072"}
+WIDTHS = {"judge": "32,64,128", "paper": "768,1024,1536"}
+# The scale's own width (no override): at the judge scale its runs are the shared LR-grid runs.
+BASE_WIDTH = {"judge": 128, "paper": 768}
+HEAD_DIM = {"judge": 32, "paper": 64}
+PAPER_PREFIX = "gpt2_124m/"  # apart from the norm zoo's paper-scale grid runs
 GIVE_UP_STEPS = 100
 MARGIN = 0.05  # nats, as lr_tolerance
 SCALES = {
@@ -73,10 +79,19 @@ SCALES = {
                           "judge scale (configs/judge.py: 4 blocks, character-level "
                           "tinyshakespeare, 2000 steps x 16 x 128 tokens) at widths 32, 64, 128 "
                           "(head dim 32); one wide LR grid per variant and width."),
+    "paper": claims.Scale("configs/gpt2.py", "124m,on_divergence=skip," +
+                          claims.steps_overrides(20000), "100",
+                          "GPT-2 124M's recipe (12 blocks, OpenWebText, seq 1024), 20k steps, at "
+                          "widths 768, 1024, 1536 (head dim 64); one wide LR grid per variant "
+                          "and width: an accelerator job."),
 }
 CURVES = (("train", "loss"), ("eval", "loss"))
-LLAMA_VARIANTS = {"pre_llama": "size=tiny_llama,placement=pre",
-                  "simplenorm_llama": "size=tiny_llama,placement=simplenorm"}
+# SimpleGPT's pair on the LLaMA backbone: the tiny size's LLaMA twin at the judge scale, the
+# GPT-2 124M recipe's at paper scale (RMSNorm, SwiGLU, no biases, untied head).
+LLAMA_VARIANTS = {"pre_llama": {"judge": "size=tiny_llama,placement=pre",
+                                "paper": "backbone=llama,placement=pre"},
+                  "simplenorm_llama": {"judge": "size=tiny_llama,placement=simplenorm",
+                                       "paper": "backbone=llama,placement=simplenorm"}}
 DEFAULT_VARIANTS = ("pre", "pre_qknorm", "pre_qknorm_full", "peri", "peri_dt0.1", "geonorm",
                     "post", "deepnorm", "ngpt", "dyt", "pre_llama", "simplenorm_llama")
 DECIDING = ("pre_llama", "simplenorm_llama")  # (baseline, SimpleNorm)
@@ -85,34 +100,41 @@ DECIDING = ("pre_llama", "simplenorm_llama")  # (baseline, SimpleNorm)
 def add_arguments(parser):
   parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma list of "
                       f"{', '.join(LLAMA_VARIANTS)} and {', '.join(sweep.PLACEMENT_VARIANTS)}")
-  parser.add_argument("--widths", default=WIDTHS, help="comma list of d_model values (each a "
-                      f"multiple of the head dimension {HEAD_DIM})")
+  parser.add_argument("--widths", default=None, help="comma list of d_model values (each a "
+                      "multiple of the head dimension); default the scale's: "
+                      + "; ".join(f"{k} {v}" for k, v in WIDTHS.items()))
 
 
-def width_overrides(name, width):
-  """The overrides that set a variant's width; none at the judge width (shared runs)."""
-  if width == JUDGE_WIDTH:
+def width_overrides(name, width, scale):
+  """The overrides that set a variant's width; none at the scale's own width (at the judge
+  scale: the shared LR-grid runs)."""
+  if width == BASE_WIDTH[scale]:
     return ""
-  parts = f"d_model={width},num_heads={width // HEAD_DIM}"
-  return parts + (f",d_ff={23 * width // 8}" if name in LLAMA_VARIANTS else "")
+  parts = f"d_model={width},num_heads={width // HEAD_DIM[scale]}"
+  # tiny_llama's SwiGLU width is 23/8 d (368 at 128); at paper scale LLaMA's own rounding.
+  return parts + (f",d_ff={23 * width // 8}" if name in LLAMA_VARIANTS and scale == "judge"
+                  else "")
 
 
-def run_name(name, width):
-  return name if width == JUDGE_WIDTH else f"d{width}/{name}"
+def run_name(name, width, scale):
+  base = name if width == BASE_WIDTH[scale] else f"d{width}/{name}"
+  return (PAPER_PREFIX if scale == "paper" else "") + base
 
 
-def variant_overrides(name):
-  return LLAMA_VARIANTS[name] if name in LLAMA_VARIANTS else sweep.variant_overrides(name)
+def variant_overrides(name, scale):
+  return LLAMA_VARIANTS[name][scale] if name in LLAMA_VARIANTS else sweep.variant_overrides(name)
 
 
 def _widths(args):
+  text = args.widths or WIDTHS[args.scale]
   try:
-    widths = [int(w) for w in args.widths.split(",")]
+    widths = [int(w) for w in text.split(",")]
   except ValueError:
-    raise SystemExit(f"--widths: {args.widths!r} is not a comma list of integers") from None
-  bad = [w for w in widths if w <= 0 or w % HEAD_DIM]
+    raise SystemExit(f"--widths: {text!r} is not a comma list of integers") from None
+  head_dim = HEAD_DIM[args.scale]
+  bad = [w for w in widths if w <= 0 or w % head_dim]
   if bad:
-    raise SystemExit(f"--widths: {bad} are not positive multiples of the head dimension {HEAD_DIM}")
+    raise SystemExit(f"--widths: {bad} are not positive multiples of the head dimension {head_dim}")
   return widths
 
 
@@ -123,8 +145,9 @@ def grid(args, scale):
   if args.quick:
     args.widths, args.lrs = "32", args.lrs or "1e-3,0.512"
     names = [n for n in names if n in DECIDING] or names
-  return [claims.variant(run_name(name, width),
-                         claims.join(variant_overrides(name), width_overrides(name, width),
+  return [claims.variant(run_name(name, width, args.scale),
+                         claims.join(variant_overrides(name, args.scale),
+                                     width_overrides(name, width, args.scale),
                                      f"give_up_steps={GIVE_UP_STEPS}", steps),
                          variant=name, width=width)
           for width in _widths(args) for name in names]

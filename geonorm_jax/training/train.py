@@ -643,17 +643,10 @@ def run_loop(setup, state, train_iter, writer, ckpt, loggers, last_step, restore
       # Every process must join the all-gather at the same steps, or the others hang.
       poll = jax.process_count() == 1 or step % _PREEMPTION_POLL_STEPS == 0
       stop = poll and ckpt.any_process_preempted()
-      if run.gave_up_step is not None:
-        if pending is not None:
-          log_train(*pending)
-          pending = None
-        run.last_eval_loss = _evaluate(eval_step, state["params"], eval_arrays)
-        writer.write_scalars(step, {"loss": run.last_eval_loss}, split="eval")
-        writer.write_scalars(step, {"gave_up": 1.0, "first_loss": run.first_loss},
-                             split="events")
-        break
-      is_eval = step % config.train.eval_every == 0 or step == last_step
-      save = stop or ckpt.should_save(step) or step == last_step
+      # train.give_up_steps: the run ends here, evaluated as at its last step but not saved.
+      gave_up = run.gave_up_step is not None
+      is_eval = gave_up or step % config.train.eval_every == 0 or step == last_step
+      save = not gave_up and (stop or ckpt.should_save(step) or step == last_step)
       if is_eval or save:
         log_train(*pending)  # this step's numbers first: a diverged step is never saved
         pending = None
@@ -669,7 +662,10 @@ def run_loop(setup, state, train_iter, writer, ckpt, loggers, last_step, restore
               step)
         ckpt.save(step, _checkpointed(state), train_iter.get_state(), force=True,
                   extra_meta={**run.meta(), _SPIKE_META_KEY: spikes.to_json(state["spike"])})
-      if stop:
+      if gave_up:
+        writer.write_scalars(step, {"gave_up": 1.0, "first_loss": run.first_loss},
+                             split="events")
+      if stop or gave_up:
         break
     if pending is not None:
       log_train(*pending)

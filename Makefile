@@ -8,7 +8,10 @@ SETUP_HASH := $(shell cat setup.py | md5sum | cut -c1-8)
 RUN_STAMP := $(VENV)/.installed-run-$(SETUP_HASH)
 TEST_STAMP := $(VENV)/.installed-test-$(SETUP_HASH)
 RUN_DIR ?= runs/main
-PYTEST := $(PY) -m pytest tests -q -x --durations=15
+# Two workers, one per core: most of a test's time is XLA compiling (one thread), so two
+# processes use the two cores. Whole files go to one worker (loadfile), so a module's shared
+# fixture (a trained run, the claims' smallest runs) is built once.
+PYTEST := $(PY) -m pytest tests -q -x --durations=15 -n 2 --dist loadfile
 
 .PHONY: run test test-fast install install-test clean
 

@@ -35,6 +35,7 @@ setup(
         # multi-GB CUDA build. wandb: the suite runs train.wandb=offline.
         "test": [
             "pytest==9.2.0",
+            "pytest-xdist==3.8.0",
             "hypothesis==6.170.17",
             "torch==2.13.0",
             "transformers==5.24.0",

@@ -112,6 +112,11 @@ def _state_shapes(setup):
 
 def _check_branch(run_config, config, overrides, workdir):
   """Refuses, naming the fields, overrides that change the batches or the state's shapes."""
+  if "seed" in overrides:
+    # seed draws the initial parameters: from the initial state a replay with another seed
+    # is another run, and from a checkpoint the seed changes nothing.
+    raise ValueError(f"--config.seed={config.seed}: a replay continues {workdir} from its own "
+                     f"parameters (seed={run_config.seed}); train a new run for another seed")
   run_data = checkpoint_lib.config_fingerprint(run_config)
   branch_data = checkpoint_lib.config_fingerprint(config)
   for key in sorted(k for k in branch_data if k.startswith("data.")):
@@ -182,7 +187,9 @@ def replay(workdir, from_step, to_step, config=None, name=None, loggers=()):
     train_iter.set_state(data_state)
   summary = train_lib.run_loop(setup, state, train_iter, writer, _NoCheckpoints(), loggers,
                                last_step=to_step, restored_meta=meta)
-  summary.update(replay_of=os.path.abspath(workdir), replay_dir=os.path.abspath(out_dir),
+  # The folders as the caller named them: summary.json names no folder of this machine
+  # that the caller did not write.
+  summary.update(replay_of=workdir, replay_dir=out_dir,
                  restored_step=restored_step, from_step=from_step, to_step=to_step,
                  overrides=overrides)
   train_lib.write_summary(out_dir, summary)

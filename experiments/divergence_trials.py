@@ -2,13 +2,13 @@
 without weight decay) while Peri-LN never does?
 
   python experiments/divergence_trials.py [--scale=judge|paper] [--seeds=0,1,2,3,4] [--quick]
-      [--variants=pre,peri] [--weight_decays=0.1,0] [--lr=2e-2] [--jobs=N] [--print]
+      [--variants=pre,peri] [--weight_decays=0.1,0] [--lr=4e-2] [--jobs=N] [--print]
 
 A run diverged (claims.diverged) when a step's loss or gradient was non-finite (the step is
 skipped, train.on_divergence=skip, and counted), or when its train loss, after the run's
 warmup, rose above its step-1 value (every step is logged). The LR (LR below, --lr) is the
-aggressive one: 10x the norm zoo's tuned LR for Pre-LN (results/norm_zoo/table.md), to be set
-from it; 10x the judge recipe's 2e-3 until then.
+aggressive one: 10x the norm zoo's tuned LR for Pre-LN (4e-3, results/norm_zoo/table.md),
+where its loss has left the optimum (the grid's 8e-3 is already 0.03 nats above it).
 Judge scale: configs/judge.py (tiny model, 2000 steps x 16 x 128 characters of
 tinyshakespeare); 2 placements x 2 weight decays x 5 seeds = 20 runs, about 20 x 3.8 = 76
 minutes on this 2-core machine, two runs at once. --quick: 100 steps, one seed. Paper scale:
@@ -38,8 +38,8 @@ from geonorm_jax.studies import claims, stats  # pylint: disable=g-import-not-at
 NAME = "divergence_trials"
 CLAIM = "Pre-LN diverges in 1/5 runs with weight decay and 3/5 without; Peri-LN in 0/5"
 PAPER_NUMBER = "Pre-LN 1/5 (wd), 3/5 (no wd); Peri-LN 0/5 (Stability paper)"
-# 10x the norm zoo's tuned Pre-LN LR at the judge scale (set it from results/norm_zoo).
-LR = {"judge": "2e-2", "paper": "6e-3"}
+# 10x the tuned Pre-LN LR: the norm zoo's 4e-3 at the judge scale, nanoGPT's 6e-4 at 124M.
+LR = {"judge": "4e-2", "paper": "6e-3"}
 PAPER_RATE_NO_WD = 0.6  # Pre-LN without weight decay: 3 of 5 runs diverged in the paper
 ALPHA = 1 - stats.LEVEL
 SCALES = {
@@ -57,7 +57,7 @@ CURVES = (("train", "loss"),)
 def add_arguments(parser):
   claims.add_variants_argument(parser, ("pre", "peri"))
   parser.add_argument("--weight_decays", default="0.1,0")
-  parser.add_argument("--lr", default=None, help="default LR[scale]: 2e-2 (judge), 6e-3 "
+  parser.add_argument("--lr", default=None, help="default LR[scale]: 4e-2 (judge), 6e-3 "
                       "(paper)")
 
 

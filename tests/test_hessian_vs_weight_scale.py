@@ -84,8 +84,9 @@ def test_a_results_file_without_seeds_reads_as_seed_0_and_reports(experiment, tm
   read = experiment.read_csv(path)
   assert {r["seed"] for r in read} == {0}
   outcome, result = experiment.write_verdict(experiment.over_seeds(read),
-                                             tmp_path / "verdict.json")
+                                             tmp_path / "verdict.json", "gpt2")
   with open(tmp_path / "verdict.json") as f:
     stored = json.load(f)
   assert (stored["verdict"], stored["result"], stored["seeds"]) == (outcome, result, 1)
+  assert stored["backbone"] == "gpt2"
   assert outcome == "reproduced"

@@ -156,15 +156,26 @@ def test_hessian_analyses_a_checkpoint_and_plots_the_weight_scale_result(tiny_ru
   assert stored["settings"]["num_steps"] == 4 and stored["settings"]["top_k"] == 3
   printed = _printed(notebook)
   assert f"lambda_1 = {stored['lanczos']['top_eigenvalues'][0]:.5g} " in printed
-  # SimpleNorm's MLP input Hessian against the weight scale: the slope, fitted here.
-  with open(os.path.join(REPO_ROOT, "results", "hessian_vs_weight_scale", "results.csv")) as f:
-    by_c = {}
-    for r in csv.DictReader(f):
-      if (r["placement"], r["scope"], r["quantity"]) == ("simplenorm", "up", "act_in"):
-        by_c.setdefault(float(r["c"]), []).append(np.log(float(r["lambda_max"])))
-  c = sorted(by_c)  # the geometric mean over seeds at each c
-  slope = np.polyfit(np.log(c), [np.mean(by_c[value]) for value in c], 1)[0]
-  assert f"simplenorm           up : slope {slope:+.2f}\n" in printed
+  # SimpleNorm's MLP input Hessian against the weight scale: the slope, fitted here, in the
+  # section of each backbone whose results are committed (gpt2's at least).
+  results = os.path.join(REPO_ROOT, "results", "hessian_vs_weight_scale")
+  backbones = [backbone for backbone in ("llama", "gpt2")
+               if os.path.exists(os.path.join(results, backbone, "results.csv"))]
+  assert "gpt2" in backbones
+  # "<backbone>: the claim's quantity, ..." opens each backbone's lines, in that order.
+  sections = printed.split(": the claim's quantity, Hessian w.r.t. the input")
+  assert len(sections) == len(backbones) + 1
+  for index, backbone in enumerate(backbones):
+    assert sections[index].endswith(backbone)
+    section = sections[index + 1]
+    with open(os.path.join(results, backbone, "results.csv")) as f:
+      by_c = {}
+      for r in csv.DictReader(f):
+        if (r["placement"], r["scope"], r["quantity"]) == ("simplenorm", "up", "act_in"):
+          by_c.setdefault(float(r["c"]), []).append(np.log(float(r["lambda_max"])))
+    c = sorted(by_c)  # the geometric mean over seeds at each c
+    slope = np.polyfit(np.log(c), [np.mean(by_c[value]) for value in c], 1)[0]
+    assert f"simplenorm           up : slope {slope:+.2f}\n" in section
 
 
 def _find_checkout_function():

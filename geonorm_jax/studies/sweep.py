@@ -183,6 +183,9 @@ PLACEMENT_VARIANTS = {
     "post": "placement=post",
     "peri": "placement=peri",
     "peri_dt0.1": "placement=peri,dt=0.1",
+    # Peri-LN's optional norm after the embedding (Kim et al., 2025): the stream starts at
+    # RMS 1, the scale of the normalised sublayer outputs added to it, not at init_std.
+    "peri_embed_norm": "placement=peri,embed_norm=true",
     "reordered": "placement=reordered",  # OLMo 2's norm on the sublayer output only
     "deepnorm": "placement=deepnorm",
     "geonorm": "placement=geonorm",  # harmonic alpha/k, alpha=1

@@ -44,10 +44,18 @@ def trained(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def analysed(trained):
+def analysed(trained, tmp_path_factory):
   """The CLI as a user runs it, on two runs and every checkpoint."""
   _, run_a, run_b = trained
-  env = dict(os.environ, PYTHONPATH=REPO)
+  env = dict(os.environ, PYTHONPATH=REPO,
+             # Run b is a copy of run a: its programs come from the cache (every program, not
+             # only compilations over a second). LLVM without its optimization passes: about
+             # half of each compile; what is checked here holds for any correct spectrum.
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                        " --xla_backend_optimization_level=0").strip())
   proc = subprocess.run(
       [sys.executable, "-m", "geonorm_jax", "hessian", f"--workdir={run_a}",
        f"--workdir={run_b}", *CLI_FLAGS], capture_output=True, text=True, env=env, cwd=REPO,

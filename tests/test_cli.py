@@ -18,6 +18,8 @@ TINY_OVERRIDES = [
     "--config.train.steps=4", "--config.train.eval_every=2", "--config.train.eval_batches=2",
     "--config.train.warmup_steps=1", "--config.train.log_every=1",
     "--config.train.progress_bar=false",
+    # No per-layer statistics: no test here reads them, and they are one program more to compile.
+    "--config.train.layer_stats_every=0",
 ]
 
 

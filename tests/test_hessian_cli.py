@@ -26,7 +26,7 @@ from geonorm_jax.training import metrics, optim, train
 TINY = ("tiny,num_layers=1,d_model=16,num_heads=2,max_seq_len=16,seq_len=16,batch_size=8,"
         "steps=4,warmup_steps=1,eval_every=4,eval_batches=2,log_every=1,progress_bar=false,"
         "hessian_every=2,hessian_steps=8,hessian_per_block=true,checkpoint.every=2,"
-        "async_save=false")
+        "async_save=false,layer_stats_every=0")  # no per-layer statistics: none is read
 CLI_FLAGS = ["--step=all", "--lanczos_steps=12", "--probes=3", "--batches=2", "--eigenvalues=3"]
 SETTINGS = hessian_analysis.Settings(num_steps=12, num_probes=3, num_batches=2, top_k=3)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

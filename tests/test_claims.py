@@ -20,33 +20,44 @@ from geonorm_jax.training import train
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENTS = ("norm_zoo", "geonorm_decay", "seq_length", "update_balance", "lr_tolerance",
                "depth_growth", "residual_step", "divergence_trials", "lr_sensitivity")
-# One layer of width 32, three steps: each run is a few seconds of compilation.
+# One layer of width 32, three steps: each run is a few seconds of compilation. No layer
+# statistics (they add a program and grow the train step) except where an experiment reads
+# them (LAYER_STATS).
 TINY = ("steps=3,warmup_steps=1,eval_batches=1,eval_every=3,checkpoint.every=3,"
-        "layer_stats_every=2,log_every=1,model.d_model=32,model.num_heads=2,async_save=false")
+        "layer_stats_every=0,log_every=1,model.d_model=32,model.num_heads=2,async_save=false")
+LAYER_STATS = {"update_balance": "layer_stats_every=2", "depth_growth": "layer_stats_every=2"}
+# The three LR-grid experiments run on one --root, so that they share the LR-grid runs (and
+# here, on the same variant, the final run too) as they do under runs/claims/lr_grid: the norm
+# zoo trains, lr_tolerance and lr_sensitivity collect the same finished runs (check_finished
+# compares every field of their configs with the saved ones first).
+SHARED_ROOT = {"norm_zoo": "tuned", "lr_tolerance": "tuned", "lr_sensitivity": "tuned"}
 # The smallest grid of each experiment (one train run, one seed; depth_growth adds its init
 # measurement), and its figures.
 SMALLEST = {
-    # The LR protocol at its smallest: three grid LRs on the selection seed, no extension,
-    # then the final seed at the best.
-    "norm_zoo": (["--variants=geonorm", "--lrs=1e-3,2e-3,4e-3", "--max_extensions=0"],
+    # The LR protocol at its smallest with a choice to make: two grid LRs on the selection
+    # seed, no extension, then the final seed at the better one.
+    "norm_zoo": (["--variants=geonorm", "--lrs=1e-3,2e-3", "--max_extensions=0"],
                  ["loss_curves.png", "final_loss.png", "loss_vs_lr.png"]),
     "geonorm_decay": (["--schedules=harmonic", "--alphas=1", "--counters=sublayers"],
                       ["loss_vs_alpha.png"]),
     "seq_length": (["--variants=post", "--seq_lens=64"],
                    ["spikes_vs_length.png", "loss_curves_longest.png"]),
     "update_balance": (["--variants=pre"], ["per_layer.png", "first_last_over_training.png"]),
-    "lr_tolerance": (["--variants=simplenorm", "--lrs=1e-3", "--max_extensions=0"],
+    # The norm zoo's grid and variant: its runs.
+    "lr_tolerance": (["--variants=geonorm", "--lrs=1e-3,2e-3", "--max_extensions=0"],
                      ["loss_vs_lr.png"]),
     "depth_growth": (["--variants=pre", "--depths=2", "--trained_depths=2"],
                      ["rms_per_block.png"]),
     "residual_step": (["--variants=peri", "--dts=0.1"], ["loss_vs_dt.png"]),
     "divergence_trials": (["--variants=pre", "--weight_decays=0"], ["loss_curves.png"]),
-    # One width, two LRs: the LR-sensitivity number of a two-point grid.
-    "lr_sensitivity": (["--variants=pre_llama", "--widths=32", "--lrs=1e-3,2e-3"],
+    # One width, two LRs: the LR-sensitivity number of a two-point grid. The scale's own width
+    # (128: no width override, so TINY's d_model=32 is the model) on its default seed, the
+    # selection seed: the norm zoo's two grid runs.
+    "lr_sensitivity": (["--variants=geonorm", "--widths=128", "--lrs=1e-3,2e-3", "--seeds=100"],
                        ["loss_vs_lr.png", "sensitivity_vs_width.png"]),
 }
 # Rows of the smallest settings, when not one (a tuned one: selection and final runs).
-RUNS = {"depth_growth": 2, "norm_zoo": 4, "lr_tolerance": 2, "lr_sensitivity": 2}
+RUNS = {"depth_growth": 2, "norm_zoo": 3, "lr_tolerance": 3, "lr_sensitivity": 2}
 LABELS = {"norm_zoo": ["variant", "lr", "stage"], "geonorm_decay": ["schedule", "alpha", "counter"],
           "seq_length": ["variant", "seq_len"], "update_balance": ["variant"],
           "lr_tolerance": ["variant", "lr", "stage"], "depth_growth": ["phase", "variant", "depth"],
@@ -173,9 +184,16 @@ def test_paper_scale_configs_are_valid(name):
 @pytest.mark.parametrize("name,pick", [("seq_length", -1), ("lr_tolerance", 0),
                                        ("residual_step", 0)])
 def test_paper_scale_lowers_on_a_fake_mesh(name, pick):
-  """GeoNorm's 125M at length 4096, SimpleGPT's 1B, GPT-2 124M: no parameter allocated."""
+  """GeoNorm's 125M at length 4096, SimpleGPT's 1B, GPT-2 124M: no parameter allocated.
+
+  At the paper's width, heads, sequence length, batch and mesh, with two of its blocks: every
+  block is the same program with the same shapes and shardings, so the depth changes nothing
+  the lowering checks (the full configs are validated above), while tracing 12-18 blocks
+  took most of the test's time."""
   run = _paper_runs(name)[pick]
   config = _config_of(run)
+  assert config.model.num_layers >= 12, run.name  # the paper's depth, cut here
+  config.model.num_layers = 2
   setup = train.make_setup(config)
   abstract = train.sharded_abstract_state(setup)
   shape = (config.train.grad_accum, config.data.batch_size, config.data.seq_len + 1)
@@ -193,15 +211,31 @@ def test_paper_scale_lowers_on_a_fake_mesh(name, pick):
 def results(tmp_path_factory):
   """name -> results folder of each experiment run at its smallest settings (shared)."""
   base = tmp_path_factory.mktemp("claims")
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(base / "jax_cache"))
+  jax.devices()  # this process's backend starts before XLA_FLAGS changes for the train runs
   folders = {}
-  for name, (flags, _) in SMALLEST.items():
-    extra = TINY + ("" if name == "depth_growth" else ",model.num_layers=1")
-    folders[name] = base / name
-    subprocess.run([sys.executable, f"experiments/{name}.py", *flags, "--seeds=0",
-                    f"--extra={extra}", f"--root={base / 'runs' / name}",
-                    f"--out={folders[name]}"], cwd=REPO, env=env, check=True,
-                   stdout=subprocess.DEVNULL)
+  with pytest.MonkeyPatch.context() as patch:
+    # The train processes' environment (sweep.execute hands os.environ on to them).
+    patch.chdir(REPO)  # the runs' config files and data paths are relative to the repository
+    patch.setenv("JAX_COMPILATION_CACHE_DIR", str(base / "jax_cache"))
+    # Every program into the cache, not only those over a second of compilation: the runs of
+    # one model share their init, eval and finiteness programs.
+    patch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    patch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    # LLVM without its optimization passes: about half of each program's compile time. These
+    # runs check files and columns, not speed or the numbers' last bits.
+    patch.setenv("XLA_FLAGS", (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_backend_optimization_level=0").strip())
+    for name, (flags, _) in SMALLEST.items():
+      extra = claims.join(TINY, "" if name == "depth_growth" else "model.num_layers=1",
+                          LAYER_STATS.get(name, ""))
+      seeds = [] if any(f.startswith("--seeds=") for f in flags) else ["--seeds=0"]
+      folders[name] = base / name
+      # What `python experiments/NAME.py ARGS` runs (its __main__), without a Python and JAX
+      # start of its own; the train runs are subprocesses as ever, one at a time (under
+      # pytest-xdist the other core runs another test file).
+      claims.run(load(name), [*flags, *seeds, "--jobs=1", f"--extra={extra}",
+                              f"--root={base / 'runs' / SHARED_ROOT.get(name, name)}",
+                              f"--out={folders[name]}"])
   return folders
 
 

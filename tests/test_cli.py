@@ -18,12 +18,37 @@ TINY_OVERRIDES = [
     "--config.train.steps=4", "--config.train.eval_every=2", "--config.train.eval_batches=2",
     "--config.train.warmup_steps=1", "--config.train.log_every=1",
     "--config.train.progress_bar=false",
+    # No per-layer statistics: no test here reads them, and they are one program more to compile.
+    "--config.train.layer_stats_every=0",
 ]
 
 
+# Set for this module's subprocesses by _compile_cache.
+_CACHE_ENV = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_cache(tmp_path_factory):
+  """One compilation cache for this module's commands, empty at its start: the eval and
+  sample after a train, and a second sample, find the programs the first one compiled (every
+  program: by default JAX caches only compilations over a second). LLVM runs without its
+  optimization passes, about half of a program's compile time: these tests check what the
+  commands do, not how fast the code runs."""
+  _CACHE_ENV.update(
+      JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+      XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip())
+  yield
+  _CACHE_ENV.clear()
+
+
+def _env():
+  return dict(os.environ, JAX_PLATFORMS="cpu", **_CACHE_ENV)
+
+
 def _run_cli(*args, timeout=120):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "geonorm_jax", *args], cwd=REPO_ROOT, env=env,
+  return subprocess.run([sys.executable, "-m", "geonorm_jax", *args], cwd=REPO_ROOT, env=_env(),
                         capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -178,7 +203,7 @@ def test_preemption_saves_and_exits_75(tmp_path):
       [sys.executable, "-m", "geonorm_jax", "train", "--config=configs/tiny.py",
        f"--workdir={workdir}", *overrides, "--config.train.steps=100000",
        "--config.train.eval_every=100000", "--config.checkpoint.every=100000"],
-      cwd=REPO_ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+      cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True)
   try:
     deadline = time.monotonic() + 120

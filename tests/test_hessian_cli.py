@@ -26,7 +26,7 @@ from geonorm_jax.training import metrics, optim, train
 TINY = ("tiny,num_layers=1,d_model=16,num_heads=2,max_seq_len=16,seq_len=16,batch_size=8,"
         "steps=4,warmup_steps=1,eval_every=4,eval_batches=2,log_every=1,progress_bar=false,"
         "hessian_every=2,hessian_steps=8,hessian_per_block=true,checkpoint.every=2,"
-        "async_save=false")
+        "async_save=false,layer_stats_every=0")  # no per-layer statistics: none is read
 CLI_FLAGS = ["--step=all", "--lanczos_steps=12", "--probes=3", "--batches=2", "--eigenvalues=3"]
 SETTINGS = hessian_analysis.Settings(num_steps=12, num_probes=3, num_batches=2, top_k=3)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,10 +44,18 @@ def trained(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def analysed(trained):
+def analysed(trained, tmp_path_factory):
   """The CLI as a user runs it, on two runs and every checkpoint."""
   _, run_a, run_b = trained
-  env = dict(os.environ, PYTHONPATH=REPO)
+  env = dict(os.environ, PYTHONPATH=REPO,
+             # Run b is a copy of run a: its programs come from the cache (every program, not
+             # only compilations over a second). LLVM without its optimization passes: about
+             # half of each compile; what is checked here holds for any correct spectrum.
+             JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                        " --xla_backend_optimization_level=0").strip())
   proc = subprocess.run(
       [sys.executable, "-m", "geonorm_jax", "hessian", f"--workdir={run_a}",
        f"--workdir={run_b}", *CLI_FLAGS], capture_output=True, text=True, env=env, cwd=REPO,

@@ -38,6 +38,26 @@ EVENTS_SUBDIR = "tensorboard"
 # ---------------------------------------------------------------------------
 
 
+def _import_summary_writer():
+  """tensorboardX's SummaryWriter, without importing torch when nothing has yet.
+
+  tensorboardX's writer module tries `import torch` only to name a type in its annotations;
+  with torch installed (the test extras) that import cost every training process 2-3 s.
+  While torch is not imported, a None in sys.modules makes that import fail at once, as if
+  torch were absent; the entry goes again afterwards, so a later `import torch` works.
+  """
+  if "torch" in sys.modules or "tensorboardX.writer" in sys.modules:
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    return SummaryWriter
+  sys.modules["torch"] = None
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+  finally:
+    if sys.modules.get("torch", 0) is None:
+      del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricsWriter:
   """Writes scalars to tensorboard and to `workdir/metrics.jsonl`.
 
@@ -67,7 +87,7 @@ class MetricsWriter:
     if self._summary_writer is None:
       # Imported here so that importing this module (e.g. for the statistics
       # functions) does not pay for tensorboardX.
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      SummaryWriter = _import_summary_writer()  # pylint: disable=invalid-name
 
       # tensorboardX names event files by the second and host name only; two
       # writers opened within one second (truncate + reopen) would clobber each

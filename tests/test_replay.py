@@ -184,3 +184,16 @@ def test_a_shape_override_on_the_command_line_is_one_line(run):
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [result.stderr.strip()]
   assert "--config.model.d_model: changes the shapes" in result.stderr
+
+
+def test_another_seed_is_refused_naming_the_field(run):
+  """seed draws the initial parameters: a replay from the initial state with another seed
+  would be another run, and from a checkpoint it would change nothing."""
+  before = _file_digests(run["workdir"]), _replays(run["workdir"])
+  config = config_lib.get_config(TINY)
+  config.seed = 3
+  for from_step in (5, 15):  # before the first checkpoint (the initial state), after it
+    with pytest.raises(ValueError, match=r"^--config\.seed=3: a replay continues ") as info:
+      replay_lib.replay(run["workdir"], from_step=from_step, to_step=20, config=config)
+    assert "\n" not in str(info.value)
+  assert (_file_digests(run["workdir"]), _replays(run["workdir"])) == before

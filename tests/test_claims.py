@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fast_compile  # tests/ is on sys.path (no __init__.py)
+
 from geonorm_jax.studies import claims, sweep
 from geonorm_jax.training import train
 
@@ -216,15 +218,10 @@ def results(tmp_path_factory):
   with pytest.MonkeyPatch.context() as patch:
     # The train processes' environment (sweep.execute hands os.environ on to them).
     patch.chdir(REPO)  # the runs' config files and data paths are relative to the repository
-    patch.setenv("JAX_COMPILATION_CACHE_DIR", str(base / "jax_cache"))
-    # Every program into the cache, not only those over a second of compilation: the runs of
-    # one model share their init, eval and finiteness programs.
-    patch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    patch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    # LLVM without its optimization passes: about half of each program's compile time. These
-    # runs check files and columns, not speed or the numbers' last bits.
-    patch.setenv("XLA_FLAGS", (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_backend_optimization_level=0").strip())
+    # One cache for every program of the runs, LLVM unoptimized (tests/fast_compile.py):
+    # these runs check files and columns, not speed or the numbers' last bits.
+    for key, value in fast_compile.subprocess_env(base / "jax_cache").items():
+      patch.setenv(key, value)
     for name, (flags, _) in SMALLEST.items():
       extra = claims.join(TINY, "" if name == "depth_growth" else "model.num_layers=1",
                           LAYER_STATS.get(name, ""))

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+import fast_compile  # tests/ is on sys.path (no __init__.py)
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = ("train", "eval", "sample", "hessian", "main", "replay")
 
@@ -30,15 +32,9 @@ _CACHE_ENV = {}
 @pytest.fixture(scope="module", autouse=True)
 def _compile_cache(tmp_path_factory):
   """One compilation cache for this module's commands, empty at its start: the eval and
-  sample after a train, and a second sample, find the programs the first one compiled (every
-  program: by default JAX caches only compilations over a second). LLVM runs without its
-  optimization passes, about half of a program's compile time: these tests check what the
-  commands do, not how fast the code runs."""
-  _CACHE_ENV.update(
-      JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
-      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-      XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip())
+  sample after a train, and a second sample, find the programs the first one compiled
+  (tests/fast_compile.py)."""
+  _CACHE_ENV.update(fast_compile.subprocess_env(tmp_path_factory.mktemp("jax_cache")))
   yield
   _CACHE_ENV.clear()
 

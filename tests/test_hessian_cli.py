@@ -16,6 +16,8 @@ import sys
 import numpy as np
 import pytest
 
+import fast_compile  # tests/ is on sys.path (no __init__.py)
+
 pytestmark = pytest.mark.slow  # trains a run, then analyses its checkpoint end to end
 
 from geonorm_jax.hessian import analysis as hessian_analysis, callback as hessian_callback
@@ -47,15 +49,9 @@ def trained(tmp_path_factory):
 def analysed(trained, tmp_path_factory):
   """The CLI as a user runs it, on two runs and every checkpoint."""
   _, run_a, run_b = trained
+  # Run b is a copy of run a: its programs come from the cache (tests/fast_compile.py).
   env = dict(os.environ, PYTHONPATH=REPO,
-             # Run b is a copy of run a: its programs come from the cache (every program, not
-             # only compilations over a second). LLVM without its optimization passes: about
-             # half of each compile; what is checked here holds for any correct spectrum.
-             JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                        " --xla_backend_optimization_level=0").strip())
+             **fast_compile.subprocess_env(tmp_path_factory.mktemp("jax_cache")))
   proc = subprocess.run(
       [sys.executable, "-m", "geonorm_jax", "hessian", f"--workdir={run_a}",
        f"--workdir={run_b}", *CLI_FLAGS], capture_output=True, text=True, env=env, cwd=REPO,

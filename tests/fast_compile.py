@@ -2,17 +2,13 @@
 
 Every program goes into one compilation cache (JAX caches only compilations over a second by
 default, which leaves the eval, init and finiteness programs out), so the subprocesses of one
-test module compile each program once; and LLVM runs without its optimization passes, about
-half of a program's compile time. For tests of what commands do and write, not of how fast
-the compiled code runs or of its last bits against an in-process run.
+test module compile each program once. (LLVM's optimization passes are off for every test
+process and its subprocesses already: conftest.py.)
 """
-import os
 
 
 def subprocess_env(cache_dir):
   """{name: value} to lay over os.environ for the subprocesses."""
   return {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-          "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
-                        + " --xla_backend_optimization_level=0").strip()}
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}

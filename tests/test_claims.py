@@ -213,13 +213,11 @@ def test_paper_scale_lowers_on_a_fake_mesh(name, pick):
 def results(tmp_path_factory):
   """name -> results folder of each experiment run at its smallest settings (shared)."""
   base = tmp_path_factory.mktemp("claims")
-  jax.devices()  # this process's backend starts before XLA_FLAGS changes for the train runs
   folders = {}
   with pytest.MonkeyPatch.context() as patch:
     # The train processes' environment (sweep.execute hands os.environ on to them).
     patch.chdir(REPO)  # the runs' config files and data paths are relative to the repository
-    # One cache for every program of the runs, LLVM unoptimized (tests/fast_compile.py):
-    # these runs check files and columns, not speed or the numbers' last bits.
+    # One cache for every program of the runs (tests/fast_compile.py).
     for key, value in fast_compile.subprocess_env(base / "jax_cache").items():
       patch.setenv(key, value)
     for name, (flags, _) in SMALLEST.items():

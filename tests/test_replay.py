@@ -16,9 +16,10 @@ from geonorm_jax.training import replay as replay_lib
 from geonorm_jax.training import train as train_lib
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The devices of this process (conftest), so the command's mesh and sums are the run's own.
+# The devices and compiler flags of this process (conftest), so the command's mesh and sums
+# are the run's own.
 _EIGHT_DEVICES = dict(os.environ, JAX_PLATFORMS="cpu",
-                      XLA_FLAGS="--xla_force_host_platform_device_count=8")
+                      XLA_FLAGS=f"{os.environ['XLA_FLAGS']} --xla_force_host_platform_device_count=8")
 STEPS = 30
 # Checkpoints at 10, 20, 30; per-layer statistics every 5 steps only (a replay has them at
 # every step); spikes judged with a low threshold so that the stretch holds some.

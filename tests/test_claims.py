@@ -40,8 +40,10 @@ SMALLEST = {
     # seed, no extension, then the final seed at the better one.
     "norm_zoo": (["--variants=geonorm", "--lrs=1e-3,2e-3", "--max_extensions=0"],
                  ["loss_curves.png", "final_loss.png", "loss_vs_lr.png"]),
-    "geonorm_decay": (["--schedules=harmonic", "--alphas=1", "--counters=sublayers"],
-                      ["loss_vs_alpha.png"]),
+    # The alpha selection at its smallest: one alpha on the selection seed, no extension, then
+    # the final seed at it.
+    "geonorm_decay": (["--schedules=harmonic", "--alphas=1", "--counters=sublayers",
+                       "--max_extensions=0"], ["loss_vs_alpha.png"]),
     "seq_length": (["--variants=post", "--seq_lens=64"],
                    ["spikes_vs_length.png", "loss_curves_longest.png"]),
     "update_balance": (["--variants=pre"], ["per_layer.png", "first_last_over_training.png"]),
@@ -59,8 +61,10 @@ SMALLEST = {
                        ["loss_vs_lr.png", "sensitivity_vs_width.png"]),
 }
 # Rows of the smallest settings, when not one (a tuned one: selection and final runs).
-RUNS = {"depth_growth": 2, "norm_zoo": 3, "lr_tolerance": 3, "lr_sensitivity": 2}
-LABELS = {"norm_zoo": ["variant", "lr", "stage"], "geonorm_decay": ["schedule", "alpha", "counter"],
+RUNS = {"depth_growth": 2, "norm_zoo": 3, "lr_tolerance": 3, "lr_sensitivity": 2,
+        "geonorm_decay": 2}
+LABELS = {"norm_zoo": ["variant", "lr", "stage"],
+          "geonorm_decay": ["schedule", "counter", "alpha", "stage"],
           "seq_length": ["variant", "seq_len"], "update_balance": ["variant"],
           "lr_tolerance": ["variant", "lr", "stage"], "depth_growth": ["phase", "variant", "depth"],
           "residual_step": ["variant", "dt"], "divergence_trials": ["variant", "weight_decay"],

@@ -1,7 +1,8 @@
 """Every claim rule on constructed results: each experiment's summarize() returns each outcome
 its rule can reach (reproduced, not at this scale, unresolved; contradicted at paper scale),
 and the statistics the rules stand on (geonorm_jax/studies/stats.py, claims.grid_optimum) against
-hand and closed-form computations. Nothing here trains."""
+hand and closed-form computations. Nothing here trains. geonorm_decay's rule is tested beside
+its selection protocol, in test_geonorm_decay.py."""
 import math
 
 import numpy as np
@@ -125,52 +126,11 @@ def test_grid_optimum_interior_and_edges():
 
 
 # ---------------------------------------------------------------------------
-# geonorm_decay: harmonic's best cell against every other schedule's.
-# ---------------------------------------------------------------------------
-
-SEED_EFFECT = {0: 0.0, 1: 0.02, 2: -0.015}  # shared by every cell of a seed: pairing removes it
-
-
-def _decay_rows(base, best_alpha, jitter=0.002):
-  rows = []
-  schedules = load("geonorm_decay").SCHEDULES
-  for i, schedule in enumerate(schedules):
-    for alpha in (0.5, 1.0, 2.0, 4.0, 8.0):
-      for seed in SEEDS:
-        loss = (base.get(schedule, 1.60) + 0.05 * (math.log2(alpha)
-                                                  - math.log2(best_alpha.get(schedule, 2.0))) ** 2
-                + SEED_EFFECT[seed] + jitter * ((seed + i + int(alpha)) % 3 - 1))
-        rows.append(row(f"{schedule}/alpha{alpha:g}/blocks", seed, loss, schedule=schedule,
-                        alpha=alpha, counter="blocks"))
-  return rows
-
-
-@pytest.mark.parametrize("base,best_alpha,jitter,expected", [
-    ({"harmonic": 1.50}, {}, 0.002, "reproduced"),  # 0.1 below every other schedule
-    ({"harmonic": 1.50, "constant": 1.40}, {}, 0.002, "not at this scale"),
-    ({"harmonic": 1.50}, {"harmonic": 16.0}, 0.002, "unresolved"),  # best alpha 8: the edge
-    ({"harmonic": 1.595}, {}, 0.03, "unresolved"),  # 0.005 apart in noise of 0.03
-])
-def test_geonorm_decay_rule(base, best_alpha, jitter, expected):
-  decay = load("geonorm_decay")
-  summary = decay.summarize(_decay_rows(base, best_alpha, jitter), [],
-                            config("geonorm_decay", lr="1e-3"))
-  assert summary.verdict == expected, summary.result
-  if best_alpha:
-    assert "optimum at the grid edge" in summary.result and "harmonic, k=blocks" in summary.result
-
-
-def test_geonorm_decay_contradicted_at_paper_scale():
-  rows = _decay_rows({"harmonic": 1.50, "constant": 1.40}, {})
-  assert load("geonorm_decay").summarize(rows, [], config("geonorm_decay", "paper")).verdict == \
-      "contradicted"
-
-
-# ---------------------------------------------------------------------------
 # residual_step: Peri-LN's dt = 0.1 against its other dt.
 # ---------------------------------------------------------------------------
 
 DTS = (1.0, 0.5, 0.2, 0.1, 0.05, 0.02, 0.01)
+SEED_EFFECT = {0: 0.0, 1: 0.02, 2: -0.015}  # shared by every cell of a seed: pairing removes it
 
 
 def _step_rows(best_dt, curvature=0.2, noise=None):
@@ -569,7 +529,6 @@ def _reproduced_cases():
   depth_rows, depth_curves = _depth({"pre": EXPONENTIAL, "peri": LINEAR})
   balance_rows, balance_curves = _balance({"pre": [6.5, 7.0, 7.4], "geonorm": [1.1, 0.9, 1.0]})
   return {
-      "geonorm_decay": (_decay_rows({"harmonic": 1.50}, {}), [], {"lr": "1e-3"}),
       "residual_step": (_step_rows(0.1), [], {"lr": "2e-3"}),
       "divergence_trials": (trial_rows, trial_curves, {"lr": "2e-2"}),
       "seq_length": (_seq_rows({"post": 5, "geonorm": 0}), [], {"spike_zscore": 6.0}),

@@ -16,16 +16,22 @@ measure(args) -> (rows, curves) for what needs no training (computed in this pro
 same row and curve format, after the runs), and TUNED_LRS {scale: "lr,lr,..."}: the
 learning-rate protocol (`run_tuned`): each variant of the grid at its own best peak LR, or
 SWEPT_LRS {scale: "lr,lr,..."}: every variant at every LR of the grid and every seed, the
-selection seed's runs being the shared LR-grid runs (an experiment about the LR curve itself).
+selection seed's runs being the shared LR-grid runs (an experiment about the LR curve itself),
+or SELECTED, a Knob: the same protocol on another setting (geonorm_decay's alpha), with
+selection_grid(args) -> [value] (every variant's starting grid); a tuned experiment may add
+finalists(variants, optima) -> [(variant, value)], the cells the final seeds train (default:
+every variant at its optimum).
 
 The learning-rate protocol. Every variant first trains at each LR of the grid on one
 selection seed (--selection_seed, never one of the final seeds); an optimum on an edge of the
 grid extends the grid by a factor of 2 beyond that edge (at most --max_extensions times per
-side) until the best LR is interior; then the final seeds train at each variant's best LR.
+variant) until the best LR is interior; then the final seeds train at each variant's best LR.
 Rows carry `lr` and `stage` (select | final); the verdict reads the final rows, and the
 selection rows give the shared-LR comparison and the LR curves. Selection runs live under one
 root for all experiments (runs/claims/lr_grid/SCALE), so experiments that share a variant and
-a grid (norm_zoo and lr_tolerance) train it once.
+a grid (norm_zoo and lr_tolerance) train it once. A SELECTED knob follows the same steps
+(`tune`), its rows labelled with the knob's column and `stage`, its selection runs under the
+experiment's own root.
 
 A results folder holds results.csv (one row per finished run: labels, seed, final numbers),
 curves.csv (name, split, key, step, value), config.json (the experiment, its scale, seeds and
@@ -75,6 +81,18 @@ class Summary:
   figures: dict = dataclasses.field(default_factory=dict)  # filename -> draw(figure)
 
 
+@dataclasses.dataclass(frozen=True)
+class Knob:
+  """A setting tuned on the selection seed (`tune`): its results.csv column and run-name part,
+  the config override that sets it, and its name in messages."""
+  label: str  # "lr": runs "VARIANT/lr0.002/seed100", rows with an "lr" column
+  override: str  # "lr", "geo_alpha"
+  what: str  # "LR", "alpha"
+
+
+LR_KNOB = Knob("lr", "lr", "LR")
+
+
 def variant(name, overrides, **labels):
   return Variant(name, overrides, tuple(labels.items()))
 
@@ -114,12 +132,14 @@ def parse_args(experiment, argv=None):
                       help="print one train command per run (for a cluster) and exit")
   parser.add_argument("--report_only", action="store_true",
                       help="collect the finished runs without training any")
+  tuned = hasattr(experiment, "TUNED_LRS") or hasattr(experiment, "SELECTED")
   if hasattr(experiment, "TUNED_LRS") or hasattr(experiment, "SWEPT_LRS"):
     parser.add_argument("--lrs", default=None, help="the (starting) LR grid; default the "
                         "experiment's TUNED_LRS or SWEPT_LRS for the scale")
+  if tuned or hasattr(experiment, "SWEPT_LRS"):
     parser.add_argument("--selection_seed", type=int, default=SELECTION_SEED,
-                        help="the seed every grid LR trains on (never a final seed)")
-  if hasattr(experiment, "TUNED_LRS"):
+                        help="the seed every grid value trains on (never a final seed)")
+  if tuned:
     parser.add_argument("--max_extensions", type=int, default=3, help="how often an optimum "
                         "on an edge extends the grid by 2x on that side")
   if hasattr(experiment, "add_arguments"):
@@ -131,7 +151,7 @@ def parse_args(experiment, argv=None):
     args.seed_list = [int(s) for s in args.seeds.split(",")]
   except ValueError:
     parser.error(f"--seeds: {args.seeds!r} is not a comma list of integers")
-  if hasattr(experiment, "TUNED_LRS") and args.selection_seed in args.seed_list:
+  if tuned and args.selection_seed in args.seed_list:
     parser.error(f"--selection_seed={args.selection_seed} is one of --seeds={args.seeds}: the "
                  "final seeds must be fresh")
   suffix = ("_quick" if args.quick else "") + ("" if args.scale == "judge" else "_" + args.scale)
@@ -146,12 +166,14 @@ def parse_args(experiment, argv=None):
   return args
 
 
-def _make_run(args, scale, v, seed, root, lr=None, stage=None):
-  """One train run of variant v; with lr, at that peak LR and labelled with lr and stage."""
-  overrides = join(scale.overrides, v.overrides, f"lr={lr:g}" if lr else "", args.extra,
-                   "progress_bar=false")
-  name = f"{v.name}/lr{lr:g}/seed{seed}" if lr else f"{v.name}/seed{seed}"
-  labels = v.labels + ((("lr", lr), ("stage", stage)) if lr else ())
+def _make_run(args, scale, v, seed, root, value=None, stage=None, knob=LR_KNOB):
+  """One train run of variant v; with a value, at that value of the knob (the peak LR unless
+  told) and labelled with it and the stage."""
+  tuned = value is not None
+  overrides = join(scale.overrides, v.overrides, f"{knob.override}={value:g}" if tuned else "",
+                   args.extra, "progress_bar=false")
+  name = f"{v.name}/{knob.label}{value:g}/seed{seed}" if tuned else f"{v.name}/seed{seed}"
+  labels = v.labels + (((knob.label, value), ("stage", stage)) if tuned else ())
   return sweep.Run(name, scale.config_file, overrides, seed, root, labels=labels)
 
 
@@ -170,10 +192,12 @@ def make_runs(experiment, args):
   """Every run of an untuned experiment; of a tuned one, the selection runs of the starting
   grid (the final runs depend on their results: run_tuned)."""
   scale = experiment.SCALES[args.scale]
-  if hasattr(experiment, "TUNED_LRS"):
+  if hasattr(experiment, "TUNED_LRS") or hasattr(experiment, "SELECTED"):
     variants = experiment.grid(args, scale)
-    return _selection_runs(experiment, args, variants,
-                           {v.name: starting_lrs(experiment, args) for v in variants})
+    knob, start, root = _tuning(experiment, args)
+    return [r for _, line in _selection_runs(experiment, args, variants,
+                                             {v.name: start for v in variants}, knob, root)
+            for r in line]
   if hasattr(experiment, "SWEPT_LRS"):
     lrs = starting_lrs(experiment, args)
     runs = []
@@ -196,59 +220,76 @@ def starting_lrs(experiment, args):
     raise SystemExit(f"--lrs: {text!r} is not a comma list of numbers") from None
 
 
-def _selection_runs(experiment, args, variants, grids):
-  """The selection seed's run of every variant at every LR of its grid ({name: [lr]})."""
+def _tuning(experiment, args):
+  """(knob, starting grid, root of the selection runs) of a tuned experiment; call after its
+  grid(), which may set flags (--quick)."""
+  if hasattr(experiment, "TUNED_LRS"):
+    return LR_KNOB, starting_lrs(experiment, args), args.grid_root
+  return experiment.SELECTED, experiment.selection_grid(args), args.root
+
+
+def _selection_runs(experiment, args, variants, grids, knob, root):
+  """[(variant, [its run at each value of its grid])] on the selection seed ({name: [value]})."""
   scale = experiment.SCALES[args.scale]
-  return _checked(experiment, [
-      _make_run(args, scale, v, args.selection_seed, args.grid_root, lr, "select")
-      for v in variants for lr in grids[v.name]])
+  lines = [(v, [_make_run(args, scale, v, args.selection_seed, root, x, "select", knob)
+                for x in grids[v.name]]) for v in variants]
+  _checked(experiment, [r for _, line in lines for r in line])
+  return lines
 
 
-def _rows(runs):
-  """The labels, name and final loss of each run (NaN while unfinished): what tuned_lrs reads."""
-  return [dict(r.labels, name=r.name, final_eval_loss=(r.summary() or {}).get(
-      "final_eval_loss", float("nan"))) for r in runs]
-
-
-def run_tuned(experiment, args):
-  """The learning-rate protocol (module docstring): selection grid, extended until each
-  variant's optimum is interior, then the final seeds at each variant's best LR."""
+def tune(experiment, args, variants, grids, knob, root, finalists=None):
+  """The selection protocol (module docstring) on any knob: every variant at each value of its
+  starting grid ({name: [value]}) on the selection seed under `root`, a grid extended beyond an
+  edge optimum (x2 above its top, /2 below its bottom; an unfinished run extends nothing) and
+  rerun (finished runs are skipped), then the final seeds under args.root at the cells
+  finalists(variants, optima) names ([(variant, value)]; default every variant at its
+  optimum). Returns the selection runs and the final runs."""
   scale = experiment.SCALES[args.scale]
-  variants = experiment.grid(args, scale)
-  grids = {v.name: starting_lrs(experiment, args) for v in variants}
+  grids = dict(grids)
   extensions = {v.name: 0 for v in variants}
   while True:
-    runs = _selection_runs(experiment, args, variants, grids)
+    lines = _selection_runs(experiment, args, variants, grids, knob, root)
+    runs = [r for _, line in lines for r in line]
     sweep.execute(args, runs)  # exits after --print: the final runs need these results
-    rows = _rows(runs)
-    optima = tuned_lrs(rows)
-    extended = False
-    for v in variants:
-      optimum = optima[v.name]
-      unfinished = any(math.isnan(row["final_eval_loss"]) for row in rows
-                       if tuned_variant(row["name"]) == v.name)
+    optima, extended = {}, False
+    for v, line in lines:
+      losses = [(r.summary() or {}).get("final_eval_loss", float("nan")) for r in line]
+      optimum = optima[v.name] = grid_optimum(grids[v.name], losses)
+      unfinished = any(math.isnan(loss) for loss in losses)
       if (args.report_only or not optimum.at_edge or extensions[v.name] >= args.max_extensions
           or unfinished):
         continue
-      lrs = grids[v.name]
-      grids[v.name] = sorted(lrs + [lrs[0] / 2 if optimum.x == lrs[0] else lrs[-1] * 2])
+      values = grids[v.name]
+      added = values[0] / 2 if optimum.x == values[0] else values[-1] * 2
+      grids[v.name] = sorted(values + [added])
       extensions[v.name] += 1
       extended = True
-      print(f"{experiment.NAME}: {v.name}: best LR {optimum.x:g} is on the grid's edge; "
-            f"adding {(set(grids[v.name]) - set(lrs)).pop():g}", flush=True)
+      print(f"{experiment.NAME}: {v.name}: best {knob.what} {optimum.x:g} is on the grid's "
+            f"edge; adding {added:g}", flush=True)
     if not extended:
       break
-  final = _checked(experiment, [
-      _make_run(args, scale, v, seed, args.root, optima[v.name].x, "final")
-      for v in variants if optima[v.name].x is not None for seed in args.seed_list])
+  cells = (finalists(variants, optima) if finalists else
+           [(v, optima[v.name].x) for v in variants if optima[v.name].x is not None])
+  final = _checked(experiment, [_make_run(args, scale, v, seed, args.root, x, "final", knob)
+                                for v, x in cells for seed in args.seed_list])
   sweep.execute(args, final)
   return runs + final
+
+
+def run_tuned(experiment, args):
+  """The learning-rate protocol (module docstring), or the same on the SELECTED knob: selection
+  grid, extended until each variant's optimum is interior, then the final seeds at each
+  variant's best value (or at the experiment's finalists)."""
+  variants = experiment.grid(args, experiment.SCALES[args.scale])
+  knob, start, root = _tuning(experiment, args)
+  return tune(experiment, args, variants, {v.name: start for v in variants}, knob, root,
+              getattr(experiment, "finalists", None))
 
 
 def run(experiment, argv=None):
   """Parse the flags, run (or print) the unfinished runs, collect, write and report."""
   args = parse_args(experiment, argv)
-  if hasattr(experiment, "TUNED_LRS"):
+  if hasattr(experiment, "TUNED_LRS") or hasattr(experiment, "SELECTED"):
     runs = run_tuned(experiment, args)
   else:
     runs = make_runs(experiment, args)

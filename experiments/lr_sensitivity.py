@@ -197,13 +197,20 @@ def by_grid(rows, curves):
               else float("nan")) for k, (lrs, losses, initials) in out.items()}
 
 
-def summarize(rows, curves, config):
-  grids = by_grid(rows, curves)
-  cells = {}  # (variant, width) -> {seed: (S, optimum, top, at_edge)}
+def cells_of(grids):
+  """{(variant, width): {seed: (S, Optimum, optimal lr, largest lr within MARGIN)}} of
+  by_grid's grids: what the table, the verdict and stability.ipynb read."""
+  cells = {}
   for (name, width, seed), (lrs, losses, l0) in grids.items():
     optimum = claims.grid_optimum(lrs, losses)
     best, top = tolerance(lrs, losses)
     cells.setdefault((name, width), {})[seed] = (sensitivity(losses, l0), optimum, best, top)
+  return cells
+
+
+def summarize(rows, curves, config):
+  grids = by_grid(rows, curves)
+  cells = cells_of(grids)
   widths = sorted({w for _, w in cells})
   table = ["| variant | width | seeds | LR sensitivity (nats) | min-max | optimal lr | "
            f"largest lr within {MARGIN} | x-fold |", "|---|---|---|---|---|---|---|---|"]
@@ -223,8 +230,8 @@ def summarize(rows, curves, config):
   result = "; ".join(f"simplenorm_llama - pre_llama at d={w}: {d.describe()}"
                      for w, d in diffs.items()) or "the deciding variants have no grids yet"
   figures = {
-      "loss_vs_lr.png": lambda fig: _plot_grids(fig, grids, widths),
-      "sensitivity_vs_width.png": lambda fig: _plot_sensitivity(fig, cells)}
+      "loss_vs_lr.png": lambda fig: plot_grids(fig, grids, widths),
+      "sensitivity_vs_width.png": lambda fig: plot_sensitivity(fig, cells)}
   return claims.Summary(table, claims.verdict(config, holds), result, figures)
 
 
@@ -248,7 +255,9 @@ def verdict_of(cells, widths):
   return None, diffs
 
 
-def _plot_grids(figure, grids, widths):
+def plot_grids(figure, grids, widths):
+  """Final loss (capped at L0) against peak LR, one panel per width, one colour per variant,
+  a line per seed."""
   for i, width in enumerate(widths):
     axes = figure.add_subplot(1, len(widths), i + 1)
     names = sorted({n for n, w, _ in grids if w == width})
@@ -269,7 +278,8 @@ def _plot_grids(figure, grids, widths):
   figure.set_size_inches(4 * len(widths), 4)
 
 
-def _plot_sensitivity(figure, cells):
+def plot_sensitivity(figure, cells):
+  """S against width per variant: the mean over seeds, bars to the min and max."""
   axes = figure.add_subplot(1, 1, 1)
   for j, name in enumerate(sorted({n for n, _ in cells})):
     widths = sorted(w for n, w in cells if n == name)

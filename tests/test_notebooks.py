@@ -11,6 +11,7 @@ import nbformat
 import numpy as np
 import pytest
 
+from geonorm_jax.studies import claims, sweep
 from geonorm_jax.training import config as config_lib
 from geonorm_jax.training import metrics, train
 
@@ -31,6 +32,23 @@ def tiny_run(tmp_path_factory):
   config = config_lib.get_config(
       f"{TINY},train.steps=4,train.eval_every=2,train.layer_stats_every=2")
   train.train(config, workdir)
+  return workdir
+
+
+# Thirty steps, checkpoints at 10, 20 and 30, per-layer statistics every 5 steps, and spikes
+# judged with a low threshold after 5 steps (as tests/test_replay.py): spikes to replay.
+SPIKY = (f"{TINY},train.steps=30,train.eval_every=10,train.layer_stats_every=5,"
+         "checkpoint.every=10,train.spike_zscore=0.5,train.spike_warmup=5")
+# The kernel's devices and compiler flags are this process's (conftest), so a replay in the
+# notebook runs the programs the run was trained with.
+EIGHT_DEVICES = dict(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{os.environ['XLA_FLAGS']} "
+                     "--xla_force_host_platform_device_count=8")
+
+
+@pytest.fixture(scope="module")
+def spiky_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("runs") / "spiky")
+  train.train(config_lib.get_config(SPIKY), workdir)
   return workdir
 
 
@@ -206,3 +224,126 @@ def test_install_cell_finds_the_checkout_or_its_clone(tmp_path):
   (tmp_path / "other").mkdir()
   (tmp_path / "other" / "setup.py").write_text('setup(name="something_else")\n')
   assert find_checkout(str(tmp_path / "other")) is None
+
+
+# lr_sensitivity: made-up final losses over a grid, per (variant, width); seed 101's are 0.02
+# higher wherever they lie below the loss at initialisation. pre_llama's grids hold a loss above
+# L0 (capped at L0) and NaNs (runs without a finite loss, counted at L0).
+NAN = float("nan")
+SENSITIVITY_LRS = (1e-3, 4e-3, 1.6e-2, 6.4e-2, 0.256)
+SENSITIVITY_GRIDS = {("pre_llama", 32): [1.80, 1.62, 2.40, 6.30, NAN],
+                     ("simplenorm_llama", 32): [1.75, 1.60, 1.63, 1.70, 2.10],
+                     ("pre_llama", 64): [1.70, 1.52, 2.90, NAN, NAN],
+                     ("simplenorm_llama", 64): [1.66, 1.50, 1.52, 1.58, 1.90]}
+SENSITIVITY_SEEDS = {100: 0.0, 101: 0.02}
+INITIAL_LOSS = {32: 5.55, 64: 5.60}  # the runs' first train loss, the same at every LR
+
+
+def _final_loss(variant, width, seed, index):
+  loss = SENSITIVITY_GRIDS[variant, width][index]
+  return loss + SENSITIVITY_SEEDS[seed] if loss < INITIAL_LOSS[width] else loss
+
+
+def _lr_sensitivity_folder(out):
+  """A results folder of experiments/lr_sensitivity.py as claims.run writes it: rows in
+  claims.collect's columns, the run names of the experiment, sweep's writers, and
+  claims.report's table, verdict and figures."""
+  experiment = claims.load_experiment("lr_sensitivity")
+  rows, curves = [], []
+  for (variant, width) in SENSITIVITY_GRIDS:
+    for seed in SENSITIVITY_SEEDS:
+      for index, lr in enumerate(SENSITIVITY_LRS):
+        name = f"{experiment.run_name(variant, width, 'judge')}/lr{lr:g}/seed{seed}"
+        final = _final_loss(variant, width, seed, index)
+        rows.append(dict(variant=variant, width=width, lr=lr,
+                         stage="select" if seed == 100 else "sweep", name=name, seed=seed,
+                         params=100000, steps=2000, tokens=2000 * 16 * 128,
+                         final_eval_loss=final, final_train_loss=final, step_time_s=0.1,
+                         loss_spikes=0, skipped_steps=0, collapse_step=None))
+        curves += [dict(name=name, split="train", key="loss", step=1, value=INITIAL_LOSS[width]),
+                   dict(name=name, split="train", key="loss", step=2000, value=final),
+                   dict(name=name, split="eval", key="loss", step=2000, value=final)]
+  os.makedirs(out)
+  sweep.write_csv(os.path.join(out, "results.csv"), rows)
+  sweep.write_csv(os.path.join(out, "curves.csv"), curves)
+  lrs = ",".join(f"{lr:g}" for lr in SENSITIVITY_LRS)
+  scale = experiment.SCALES["judge"]
+  sweep.write_config(os.path.join(out, "config.json"), experiment=experiment.NAME,
+                     claim=experiment.CLAIM, scale="judge", scale_note=scale.note,
+                     command=f"python experiments/lr_sensitivity.py --widths=32,64 --lrs={lrs} "
+                     "--seeds=100,101", config_file=scale.config_file,
+                     args=dict(scale="judge", seeds="100,101", quick=False, extra="", lrs=lrs,
+                               selection_seed=100, variants="pre_llama,simplenorm_llama",
+                               widths="32,64"),
+                     runs={row["name"]: "" for row in rows}, missing=[])
+  claims.report(out)
+
+
+def _sensitivity_by_hand(variant, width):
+  """S per the experiment's docstring, mean over the seeds: the grid's losses capped at L0 (a
+  NaN counts at L0), their mean minus their min."""
+  values = []
+  for seed in SENSITIVITY_SEEDS:
+    capped = []
+    for index in range(len(SENSITIVITY_LRS)):
+      loss = _final_loss(variant, width, seed, index)
+      capped.append(INITIAL_LOSS[width] if loss != loss else min(loss, INITIAL_LOSS[width]))
+    values.append(sum(capped) / len(capped) - min(capped))
+  return values
+
+
+@pytest.mark.slow
+def test_stability_plots_lr_sensitivity_mechanisms_and_a_replayed_spike(spiky_run, tmp_path,
+                                                                       monkeypatch):
+  results = str(tmp_path / "lr_sensitivity")
+  _lr_sensitivity_folder(results)
+  notebook = _execute("stability.ipynb", monkeypatch, GEONORM_LR_SENSITIVITY_DIR=results,
+                      GEONORM_STABILITY_RUN=spiky_run, GEONORM_REPLAY_AFTER="3", **EIGHT_DEVICES)
+  _assert_installed_from_checkout(notebook)
+  # Loss against LR and S against width; the mechanisms figure and its inline twin; the
+  # replay's losses and its per-layer statistics.
+  assert _image_count(notebook) == 6
+  printed = _printed(notebook)
+  # S of each cell, computed here from the constructed losses; simplenorm_llama's d = 32 row
+  # whole: optimum 4e-3, within 0.05 of its 1.60 up to 1.6e-2 (1.63), not 6.4e-2 (1.70).
+  for variant, width in SENSITIVITY_GRIDS:
+    s = _sensitivity_by_hand(variant, width)
+    assert f"\n{variant:18s} {width:5d} {2:5d} {np.mean(s):7.3f} " in printed, (variant, width)
+  s = _sensitivity_by_hand("simplenorm_llama", 32)
+  assert (f"\n{'simplenorm_llama':18s} {32:5d} {2:5d} {np.mean(s):7.3f} "
+          f"{f'{min(s):.3f}-{max(s):.3f}':>13s} {'0.004':>14s} {'0.016':>10s} {'4x':>6s}\n"
+          in printed)
+  with open(os.path.join(results, "verdict.json")) as f:
+    verdict = json.load(f)
+  assert f"verdict.json: {verdict['verdict']}: {verdict['result']}\n" in printed
+  # The first spike of the run's metrics, its z-scores, and a replay that reproduced the run.
+  spikes = {r["step"]: r for r in metrics.read_metrics(spiky_run) if r["split"] == "spikes"}
+  first = spikes[min(spikes)]
+  assert (f"\nfirst spike: step {first['step']}: loss {first['loss']:.4f} "
+          f"(z {first['loss_z']:+.3f} against ") in printed
+  assert f"gradient norm {first['grad_norm']:.4f} (z {first['grad_norm_z']:+.3f} " in printed
+  to_step = first["step"] + 3
+  replay_dir = os.path.join(spiky_run, "replays", f"from{first['step'] - 1}_to{to_step}")
+  replayed = {r["step"]: r["loss"] for r in metrics.read_metrics(replay_dir)
+              if r["split"] == "train"}
+  run_losses = {r["step"]: r["loss"] for r in metrics.read_metrics(spiky_run)
+                if r["split"] == "train"}
+  assert replayed and replayed == {step: run_losses[step] for step in replayed}
+  assert max(replayed) == to_step
+  assert (f"losses: equal to the run's bit for bit at all {len(replayed)} steps compared "
+          f"({min(replayed)}-{to_step})\n") in printed
+  assert "gradient norms: equal to the run's bit for bit" in printed and "(the same)" in printed
+  assert "per-layer statistics: equal to the run's bit for bit at the " in printed
+
+
+@pytest.mark.slow
+def test_stability_without_results_or_spikes_says_so(tiny_run, tmp_path, monkeypatch):
+  missing = str(tmp_path / "no_results")
+  notebook = _execute("stability.ipynb", monkeypatch, GEONORM_LR_SENSITIVITY_DIR=missing,
+                      GEONORM_STABILITY_RUN=tiny_run)
+  assert _image_count(notebook) == 2  # the mechanisms only
+  printed = _printed(notebook)
+  assert (f"{missing} has no results.csv yet: `python experiments/lr_sensitivity.py` writes it"
+          in printed)
+  assert "tiny has no spike: no step's loss or gradient norm lay more than " in printed
+  assert "nothing to replay" in printed and not os.path.exists(os.path.join(tiny_run, "replays"))

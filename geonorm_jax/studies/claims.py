@@ -601,7 +601,8 @@ def plot_curves(figure, curves, rows, label_of, key="loss", split="train", ylabe
   if log_y:
     axes.set_yscale("log")
   axes.set_title(title, fontsize=9)
-  axes.legend(fontsize=7, ncol=2)
+  if seen:  # no run with a curve yet: an empty panel, no empty legend
+    axes.legend(fontsize=7, ncol=2)
   axes.grid(alpha=0.3)
   return axes
 
@@ -646,7 +647,8 @@ def plot_mean_curves(figure, curves, rows, label_key, key="loss", split="eval",
   axes.set_xlabel("training step")
   axes.set_ylabel(ylabel)
   axes.set_title(title, fontsize=9)
-  axes.legend(fontsize=7, ncol=2)
+  if seen:  # no run with a curve yet: an empty panel, no empty legend
+    axes.legend(fontsize=7, ncol=2)
   axes.grid(alpha=0.3)
   return axes
 
@@ -690,7 +692,8 @@ def plot_lr_grid(figure, rows, label_key, key="final_eval_loss", title=""):
   axes.set_xlabel("peak learning rate")
   axes.set_ylabel("final validation loss (nats/token)")
   axes.set_title(title, fontsize=9)
-  axes.legend(fontsize=7, ncol=2)
+  if seen:  # no run with a curve yet: an empty panel, no empty legend
+    axes.legend(fontsize=7, ncol=2)
   axes.grid(alpha=0.3)
   return axes
 

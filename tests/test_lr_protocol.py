@@ -68,6 +68,20 @@ def test_an_edge_optimum_extends_the_grid_until_it_is_interior(monkeypatch, tmp_
   assert claims.at_edge(optima) is None
 
 
+def test_report_only_reads_the_finished_extensions_and_trains_nothing(monkeypatch, tmp_path):
+  experiment = _experiment()
+  monkeypatch.setattr(sweep, "execute", lambda args, runs: None)  # --report_only trains nothing
+  report_only = [f"--root={tmp_path}", "--report_only"]
+  before = claims.run_tuned(experiment, claims.parse_args(experiment, report_only))
+  # Nothing finished: the starting grid only, no extension, no final run.
+  assert sorted((dict(r.labels)["variant"], dict(r.labels)["lr"]) for r in before) == sorted(
+      (v, lr) for v in "ab" for lr in (1e-3, 2e-3, 4e-3))
+  full, _ = _run(monkeypatch, tmp_path)  # trains, extending a's grid to 8e-3 and 16e-3
+  monkeypatch.setattr(sweep, "execute", lambda args, runs: None)
+  after = claims.run_tuned(experiment, claims.parse_args(experiment, report_only))
+  assert sorted(r.name for r in after) == sorted(r.name for r in full)
+
+
 def test_extensions_run_out_and_the_edge_is_reported(monkeypatch, tmp_path):
   runs, _ = _run(monkeypatch, tmp_path, "--max_extensions=1")
   rows = [dict(r.labels, name=r.name, seed=r.seed, final_eval_loss=r.summary()["final_eval_loss"])

@@ -256,11 +256,13 @@ def tune(experiment, args, variants, grids, knob, root, finalists=None):
       losses = [(r.summary() or {}).get("final_eval_loss", float("nan")) for r in line]
       optimum = optima[v.name] = grid_optimum(grids[v.name], losses)
       unfinished = any(math.isnan(loss) for loss in losses)
-      if (args.report_only or not optimum.at_edge or extensions[v.name] >= args.max_extensions
-          or unfinished):
+      if not optimum.at_edge or extensions[v.name] >= args.max_extensions or unfinished:
         continue
       values = grids[v.name]
       added = values[0] / 2 if optimum.x == values[0] else values[-1] * 2
+      if args.report_only and _make_run(args, scale, v, args.selection_seed, root, added,
+                                        "select", knob).summary() is None:
+        continue  # --report_only trains nothing: it reads an extension once it has finished
       grids[v.name] = sorted(values + [added])
       extensions[v.name] += 1
       extended = True
@@ -647,8 +649,7 @@ def plot_mean_curves(figure, curves, rows, label_key, key="loss", split="eval",
   axes.set_xlabel("training step")
   axes.set_ylabel(ylabel)
   axes.set_title(title, fontsize=9)
-  if seen:  # no run with a curve yet: an empty panel, no empty legend
-    axes.legend(fontsize=7, ncol=2)
+  axes.legend(fontsize=7, ncol=2)
   axes.grid(alpha=0.3)
   return axes
 
@@ -692,8 +693,7 @@ def plot_lr_grid(figure, rows, label_key, key="final_eval_loss", title=""):
   axes.set_xlabel("peak learning rate")
   axes.set_ylabel("final validation loss (nats/token)")
   axes.set_title(title, fontsize=9)
-  if seen:  # no run with a curve yet: an empty panel, no empty legend
-    axes.legend(fontsize=7, ncol=2)
+  axes.legend(fontsize=7, ncol=2)
   axes.grid(alpha=0.3)
   return axes
 

@@ -36,10 +36,11 @@ experiment's own root.
 A results folder holds results.csv (one row per finished run: labels, seed, final numbers),
 curves.csv (name, split, key, step, value), config.json (the experiment, its scale, seeds and
 every run's overrides), table.md, verdict.json and the figures. `python -m geonorm_jax report
-DIR` reads only results.csv, curves.csv and config.json.
+DIR` reads only results.csv, curves.csv and config.json. The folder is also the sweep's record
+across machines (results_folder.py): a run it holds with the same overrides is finished, even
+where its workdir is gone, so a sweep resumes from a committed results folder.
 """
 import argparse
-import csv
 import dataclasses
 import functools
 import importlib.util
@@ -50,7 +51,8 @@ import sys
 
 import numpy as np
 
-from geonorm_jax.studies import sweep
+from geonorm_jax.studies import results_folder, sweep
+from geonorm_jax.studies.results_folder import read_csv
 from geonorm_jax.training import metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -163,6 +165,9 @@ def parse_args(experiment, argv=None):
                     if args.root else os.path.join("runs", "claims", "lr_grid", scale_dir))
   args.root = args.root or os.path.join("runs", "claims", experiment.NAME, scale_dir)
   args.out = args.out or os.path.join(REPO, "results", experiment.NAME + suffix)
+  # The folder's earlier results stand for runs whose workdirs are not on this machine.
+  args.recorded = results_folder.recorded_runs(args.out, scale.config_file, args.scale,
+                                               args.quick)
   return args
 
 
@@ -174,7 +179,9 @@ def _make_run(args, scale, v, seed, root, value=None, stage=None, knob=LR_KNOB):
                    args.extra, "progress_bar=false")
   name = f"{v.name}/{knob.label}{value:g}/seed{seed}" if tuned else f"{v.name}/seed{seed}"
   labels = v.labels + (((knob.label, value), ("stage", stage)) if tuned else ())
-  return sweep.Run(name, scale.config_file, overrides, seed, root, labels=labels)
+  record = getattr(args, "recorded", {}).get(name)
+  return sweep.Run(name, scale.config_file, overrides, seed, root, labels=labels,
+                   record=record if record and record.overrides == overrides else None)
 
 
 def _checked(experiment, runs):
@@ -309,13 +316,14 @@ def run(experiment, argv=None):
   scale = experiment.SCALES[args.scale]
   extra_args = {k: v for k, v in vars(args).items()
                 if k not in ("seed_list", "root", "grid_root", "out", "print_only", "report_only",
-                             "jobs")}
+                             "jobs", "recorded")}
   sweep.write_config(os.path.join(args.out, "config.json"), experiment=experiment.NAME,
                      claim=experiment.CLAIM, command=_command(experiment, argv),
                      scale=args.scale, scale_note=scale.note,
                      config_file=scale.config_file, args=extra_args,
                      runs={r.name: r.overrides for r in runs},
-                     missing=[r.name for r in runs if r.summary() is None])
+                     missing=[r.name for r in runs if r.summary() is None],
+                     recorded=[r.name for r in finished if r.from_record()])
   summary = report(args.out)
   print("\n".join(summary.table))
   print(f"verdict: {summary.verdict}: {summary.result}")
@@ -345,6 +353,10 @@ def collect(experiment, runs):
   """results.csv rows and curves.csv rows of the finished runs."""
   rows, curves = [], []
   for r in runs:
+    if r.from_record():  # as the results folder holds it, under the run's labels of today
+      rows.append({**r.record.row, **dict(r.labels)})
+      curves += [dict(c) for c in r.record.curves]
+      continue
     summary = r.summary()
     with open(os.path.join(r.workdir, "config.json")) as f:
       run_config = json.load(f)
@@ -378,23 +390,6 @@ def collect(experiment, runs):
 # ---------------------------------------------------------------------------
 # Reading a results folder back, and `report`.
 # ---------------------------------------------------------------------------
-
-def _number(text):
-  if text in ("", "None"):
-    return None
-  try:
-    value = float(text)
-  except ValueError:
-    return text
-  return int(value) if value.is_integer() and "." not in text and "e" not in text else value
-
-
-def read_csv(path):
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} not found: is this a claim experiment's results folder?")
-  with open(path, newline="") as f:
-    return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
-
 
 def load_experiment(name):
   """experiments/<name>.py of this repository, as a module."""

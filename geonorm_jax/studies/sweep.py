@@ -23,6 +23,9 @@ class Run:
   seed: int = 0  # params init and data order both
   root: str = "runs/sweep"
   labels: tuple = ()  # (key, value) pairs the tables group by
+  # A results folder's record of this run (results_folder.Recorded), finished on a machine
+  # that no longer holds its workdir; None for a run known only by its workdir.
+  record: object = dataclasses.field(default=None, compare=False, repr=False)
 
   @property
   def workdir(self):
@@ -37,14 +40,24 @@ class Run:
   def config(self):
     return load_config(self.config_file, self.overrides, self.seed)
 
-  def summary(self):
-    """The run's summary.json, or None while it has not finished."""
+  def _own_summary(self):
     path = os.path.join(self.workdir, "summary.json")
     if not os.path.exists(path):
       return None
     with open(path) as f:
       summary = json.load(f)
     return None if summary.get("preempted") else summary
+
+  def summary(self):
+    """The run's summary.json, else its record's numbers, or None while it has not finished."""
+    own = self._own_summary()
+    if own is None and self.record is not None:
+      return self.record.summary()
+    return own
+
+  def from_record(self):
+    """Finished by its record only: no finished summary.json in the workdir here."""
+    return self.record is not None and self._own_summary() is None
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -265,7 +278,7 @@ def execute(args, runs):
     print_commands(runs)
     raise SystemExit(0)
   for run in runs:
-    if run.summary() is not None:
+    if run.summary() is not None and not run.from_record():
       check_finished(run)
   if not args.report_only:
     env = dict(os.environ)
@@ -274,7 +287,7 @@ def execute(args, runs):
     failed = run_all(runs, jobs=args.jobs or default_jobs(), env=env)
     if failed:
       print(f"sweep: {len(failed)} runs failed (see their train.log): {', '.join(failed)}")
-  return [run_row(run) for run in runs if run.summary() is not None]
+  return [run_row(run) for run in runs if run.summary() is not None and not run.from_record()]
 
 
 def write_config(path, **fields):

@@ -1,0 +1,120 @@
+"""A results folder as the sweep's record across machines (studies/results_folder.py): with the
+workdirs gone, claims.run trains only what the folder does not hold, rewrites the folder with
+the same rows and curves, and never takes a record of another run for this one."""
+import json
+import math
+import os
+import shutil
+import types
+
+from geonorm_jax.studies import claims, results_folder, sweep
+from geonorm_jax.training import checkpoint, metrics
+
+OPTIMUM = {"a": 4e-3, "b": 2e-3}  # a's optimum is past the starting grid's top: one extension
+
+
+def _experiment():
+  return types.SimpleNamespace(
+      __doc__="A fake tuned experiment.\n", NAME="fake", CLAIM="fake",
+      CURVES=(("eval", "loss"),),
+      SCALES={"judge": claims.Scale("configs/judge.py", "", "0,1", "fake")},
+      TUNED_LRS={"judge": "1e-3,2e-3"},
+      grid=lambda args, scale: [claims.variant("a", "placement=pre", variant="a"),
+                                claims.variant("b", "placement=post", variant="b")],
+      summarize=lambda rows, curves, config: claims.Summary(["| fake |"], "unresolved", "fake"))
+
+
+def _fake_execute(trained):
+  """Trains a run by writing what `train` leaves: config.json, metrics.jsonl, summary.json."""
+  def execute(args, runs):
+    del args
+    for run in runs:
+      if run.summary() is not None:
+        continue
+      labels = dict(run.labels)
+      loss = 1.5 + math.log2(labels["lr"] / OPTIMUM[labels["variant"]]) ** 2 + 0.01 * run.seed
+      os.makedirs(run.workdir, exist_ok=True)
+      checkpoint.save_config_json(run.workdir, run.config())
+      with open(os.path.join(run.workdir, metrics.METRICS_FILENAME), "w") as f:
+        for step in (5, 10):
+          f.write(json.dumps({"split": "eval", "step": step, "loss": loss + 1 / step}) + "\n")
+      with open(os.path.join(run.workdir, "summary.json"), "w") as f:
+        json.dump({"final_eval_loss": loss, "final_train_loss": loss - 0.1,
+                   "final_step": 10, "tokens_per_s": 100.0}, f)
+      trained.append(run.name)
+  return execute
+
+
+def _run(monkeypatch, root, out, *flags):
+  trained = []
+  monkeypatch.setattr(sweep, "execute", _fake_execute(trained))
+  experiment = _experiment()
+  monkeypatch.setattr(claims, "load_experiment", lambda name: experiment)
+  claims.run(experiment, [f"--root={root}", f"--out={out}", *flags])
+  return trained
+
+
+def _folder(out):
+  rows = sorted(results_folder.read_csv(os.path.join(out, "results.csv")),
+                key=lambda row: row["name"])
+  curves = sorted(results_folder.read_csv(os.path.join(out, "curves.csv")),
+                  key=lambda c: (c["name"], c["step"]))
+  with open(os.path.join(out, "config.json")) as f:
+    return rows, curves, json.load(f)
+
+
+def test_a_sweep_resumes_from_its_results_folder_on_a_new_machine(monkeypatch, tmp_path):
+  out = tmp_path / "results"
+  first = _run(monkeypatch, tmp_path / "machine1", out)
+  # a: 1e-3, 2e-3 and the extension 4e-3, 8e-3 (4e-3 was the edge); b: 1e-3, 2e-3, 4e-3
+  # (2e-3 an edge, then interior); then 2 final seeds each.
+  assert len(first) == 4 + 3 + 4
+  rows, curves, config = _folder(out)
+  assert config["recorded"] == [] and not config["missing"]
+  shutil.rmtree(tmp_path / "machine1")  # the machine is gone; the committed folder is not
+
+  assert _run(monkeypatch, tmp_path / "machine2", out) == []  # nothing trains again
+  rows2, curves2, config2 = _folder(out)
+  assert rows2 == rows and curves2 == curves  # carried as written, extensions and finals too
+  assert sorted(config2["recorded"]) == sorted(first) and config2["runs"] == config["runs"]
+
+  # A row the folder lacks (that run had not finished when the folder was written) trains,
+  # and only it; the rest keep their recorded numbers.
+  dropped = "a/lr0.004/seed1"
+  sweep.write_csv(out / "results.csv", [row for row in rows if row["name"] != dropped])
+  assert _run(monkeypatch, tmp_path / "machine3", out) == [dropped]
+  rows3, curves3, _ = _folder(out)
+  assert rows3 == rows and curves3 == curves  # the fake trainer is deterministic
+
+
+def test_a_record_of_another_command_is_not_this_run(monkeypatch, tmp_path):
+  out = tmp_path / "results"
+  first = _run(monkeypatch, tmp_path / "machine1", out)
+  # Another --extra is another train command under the same names: everything trains.
+  again = _run(monkeypatch, tmp_path / "machine2", out, "--extra=steps=20")
+  assert sorted(again) == sorted(first)
+  _, _, config = _folder(out)
+  assert config["recorded"] == [] and all("steps=20" in o for o in config["runs"].values())
+  # A folder written by a --quick smoke run never stands for the full runs, nor for another
+  # scale's config file.
+  folder_args = ("configs/judge.py", "judge")
+  assert results_folder.recorded_runs(out, *folder_args, quick=False)
+  assert not results_folder.recorded_runs(out, *folder_args, quick=True)
+  assert not results_folder.recorded_runs(out, "configs/llama.py", "judge", quick=False)
+
+
+def test_a_finished_workdir_wins_over_the_record(monkeypatch, tmp_path):
+  out = tmp_path / "results"
+  _run(monkeypatch, tmp_path / "machine1", out)
+  rows, _, _ = _folder(out)
+  # The same run trained again here, on this machine, to another number (say a fixed bug):
+  # the workdir's summary is read, not the folder's record.
+  name = "b/lr0.002/seed0"
+  summary = tmp_path / "machine1" / name / "summary.json"
+  summary.write_text(json.dumps({"final_eval_loss": 9.0, "final_step": 10,
+                                 "tokens_per_s": 100.0}))
+  assert _run(monkeypatch, tmp_path / "machine1", out) == []
+  rows2, _, config = _folder(out)
+  assert {r["name"]: r["final_eval_loss"] for r in rows2}[name] == 9.0
+  assert name not in config["recorded"]
+  assert [r for r in rows2 if r["name"] != name] == [r for r in rows if r["name"] != name]

@@ -407,6 +407,41 @@ def test_mechanisms_figure_of_a_run_folder(tmp_path, capsys):
   assert f"{tmp_path}: {figure}" in capsys.readouterr().out
 
 
+def test_mechanisms_figure_draws_every_site_and_marks_the_spikes(tmp_path):
+  """Each panel holds the series the run logged, the norm sites included, and each logged
+  spike at step s is marked at t = s - 1 (the record of the parameters that step started from)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import figure as figure_lib  # pylint: disable=g-import-not-at-top
+  sites = ("blocks.0.attn.in", "blocks.0.mlp.in", "final")
+  with metrics.MetricsWriter(tmp_path, is_main_process=True) as writer:
+    for step in (0, 10, 20):
+      writer.write_scalars(step, {
+          **{f"attn_logit_max/layer_{l:02d}": 1.0 + step * (l + 1) for l in range(2)},
+          **{f"attn_entropy/layer_{l:02d}": 2.0 - step / 100 for l in range(2)},
+          **{f"norm_input_rms/{site}": (i + 1) * 10.0 ** (step / 10) for i, site in
+             enumerate(sites)},
+          "logits/log_z_mean": 5.5 - step / 25, "logits/max": 0.5 + step}, split="layers")
+    for step in (11, 17):
+      writer.write_scalars(step, {"loss": 9.0, "loss_z": 7.0}, split="spikes")
+  figure = figure_lib.Figure()
+  logit_axes, entropy_axes, output_axes, norm_axes = report.draw_mechanisms(figure,
+                                                                            str(tmp_path))
+  def series(axes):
+    return {line.get_label(): list(line.get_ydata()) for line in axes.get_lines()
+            if not line.get_label().startswith("_") and line.get_label() != "spike"}
+  assert series(logit_axes) == {"layer 0": [1.0, 11.0, 21.0], "layer 1": [1.0, 21.0, 41.0]}
+  assert series(output_axes)["mean log Z"] == [5.5, 5.1, 4.7]
+  assert series(norm_axes) == {site: [(i + 1) * 1.0, (i + 1) * 10.0, (i + 1) * 100.0]
+                               for i, site in enumerate(sites)}
+  assert norm_axes.get_yscale() == "log"
+  for axes in (logit_axes, entropy_axes, output_axes, norm_axes):
+    marks = sorted(line.get_xdata()[0] for line in axes.get_lines()
+                   if line.get_linestyle() == ":" and line.get_color() == "r")
+    assert marks == [10, 16]
+  assert "2 logged spikes" in figure._suptitle.get_text()  # pylint: disable=protected-access
+
+
 def test_mechanisms_figure_refuses_a_run_without_them(tmp_path):
   with metrics.MetricsWriter(tmp_path, is_main_process=True) as writer:
     writer.write_scalars(0, {"residual_rms/layer_00": 1.0}, split="layers")

@@ -100,45 +100,82 @@ def is_run_dir(path):
 
 
 def plot_mechanisms(run_dir, path=None):
-  """RUN/mechanisms.png (or `path`): the instability mechanisms over the steps of one run.
-
-  Per layer the max attention logit and the attention entropy, and the output logits' mean
-  log Z and max logit: the `layers` split of RUN/metrics.jsonl (train.make_stream_stats,
-  every train.layer_stats_every steps). Returns the path written. A run that never logged
-  them (train.layer_stats_every=0, or a run older than these statistics) is refused by name.
-  """
+  """RUN/mechanisms.png (or `path`): the instability mechanisms over the steps of one run,
+  as draw_mechanisms draws them. Returns the path written."""
   path = path or os.path.join(run_dir, MECHANISMS_FILENAME)
-  logit_steps, layers, logit_max = metrics.read_layer_series(run_dir, "attn_logit_max")
-  if not len(logit_steps):
+  _mechanism_steps(run_dir)  # refuses a run without them before a figure exists
+  plt = _pyplot()
+  figure = plt.figure(figsize=(20, 4.2))
+  draw_mechanisms(figure, run_dir)
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+  plt.close(figure)
+  return path
+
+
+def _mechanism_steps(run_dir):
+  steps, layers, logit_max = metrics.read_layer_series(run_dir, "attn_logit_max")
+  if not len(steps):
     raise ValueError(f"{os.path.join(run_dir, metrics.METRICS_FILENAME)} has no "
                      "attn_logit_max/layer_XX in its `layers` split: train with "
                      "train.layer_stats_every > 0 to log the mechanisms")
+  return steps, layers, logit_max
+
+
+def spike_steps(run_dir):
+  """The steps the run logged as spikes (its `spikes` split), sorted."""
+  return sorted({int(r["step"]) for r in metrics.read_metrics(run_dir) if r["split"] == "spikes"})
+
+
+def draw_mechanisms(figure, run_dir):
+  """Four panels from the `layers` split of RUN/metrics.jsonl (train.make_stream_stats, every
+  train.layer_stats_every steps): per layer the max attention logit (attention-logit growth,
+  which QK-norm bounds) and the attention entropy; the output logits' mean log Z and max logit
+  (output-logit divergence, which z-loss pulls back); per norm site the input RMS, log scale
+  (what the norm divides by: a site whose input grows by orders of magnitude is where the
+  stream or a sublayer blows up). A record at step t measures the parameters after t updates,
+  on the batch of step t + 1, so a logged spike at step s is marked at t = s - 1 (dotted red).
+  A run that never logged them (train.layer_stats_every=0, or older than these statistics) is
+  refused by name. Returns the four axes."""
+  logit_steps, layers, logit_max = _mechanism_steps(run_dir)
   entropy_steps, entropy_layers, entropy = metrics.read_layer_series(run_dir, "attn_entropy")
-  plt = _pyplot()
-  figure, (logit_axes, entropy_axes, output_axes) = plt.subplots(1, 3, figsize=(15, 4))
+  logit_axes, entropy_axes, output_axes, norm_axes = figure.subplots(1, 4)
   for column, layer in enumerate(layers):
-    logit_axes.plot(logit_steps, logit_max[:, column], color=f"C{column}",
+    logit_axes.plot(logit_steps, logit_max[:, column], color=f"C{column % 10}",
                     label=f"layer {layer}")
   for column, layer in enumerate(entropy_layers):
-    entropy_axes.plot(entropy_steps, entropy[:, column], color=f"C{column}",
+    entropy_axes.plot(entropy_steps, entropy[:, column], color=f"C{column % 10}",
                       label=f"layer {layer}")
   for name, label, style in (("logits/log_z_mean", "mean log Z", "-"),
                              ("logits/max", "max logit", "--")):
     steps, values = metrics.read_scalar_series(run_dir, name, split="layers")
     output_axes.plot(steps, values, style, color="k", label=label)
-  for axes, title in ((logit_axes, "max attention logit (before softmax)"),
-                      (entropy_axes, "attention entropy (nats, mean over rows)"),
-                      (output_axes, "output logits")):
+  prefix = "norm_input_rms/"
+  sites = sorted({key for record in metrics.read_metrics(run_dir) if record["split"] == "layers"
+                  for key in record if key.startswith(prefix)})
+  for index, key in enumerate(sites):
+    steps, values = metrics.read_scalar_series(run_dir, key, split="layers")
+    norm_axes.plot(steps, values, color=f"C{index % 10}", ls=("-", "--", ":")[index // 10 % 3],
+                   label=key[len(prefix):])
+  if sites:
+    norm_axes.set_yscale("log")
+  spikes = spike_steps(run_dir)
+  panels = ((logit_axes, "max attention logit (before softmax)"),
+            (entropy_axes, "attention entropy (nats, mean over rows)"),
+            (output_axes, "output logits"), (norm_axes, "norm input RMS per site"))
+  for axes, title in panels:
+    for index, step in enumerate(spikes):
+      axes.axvline(step - 1, color="r", ls=":", lw=0.8, label="spike" if index == 0 else None)
     axes.set_title(title)
-    axes.set_xlabel("step")
+    axes.set_xlabel("step t (the parameters after t updates)")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
-    axes.ticklabel_format(axis="y", useOffset=False)
-  figure.suptitle(f"instability mechanisms: {os.path.basename(os.path.normpath(run_dir))}")
-  figure.tight_layout()
-  figure.savefig(path, dpi=120)
-  plt.close(figure)
-  return path
+    if axes.get_legend_handles_labels()[0]:
+      axes.legend(fontsize=7, ncol=2)
+    if axes is not norm_axes:
+      axes.ticklabel_format(axis="y", useOffset=False)
+  figure.suptitle(f"instability mechanisms: {os.path.basename(os.path.normpath(run_dir))}"
+                  f" ({len(spikes)} logged spikes)")
+  return logit_axes, entropy_axes, output_axes, norm_axes
 
 
 def compare_runs(run_dirs, out_dir, title="Comparison"):

@@ -3,16 +3,15 @@ each (schedule, counter) line's alpha grid grows past an edge optimum (on that s
 --max_extensions times) on the selection seed only, and the final seeds train exactly each
 schedule's best cell; on constructed rows, the verdict reads only the final seeds' runs of the
 cells the selection chose and agrees with a hand computation of the paired t intervals."""
-import json
 import math
 import os
 
+import fake_sweep  # tests/ is on sys.path (no __init__.py)
 import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
 from geonorm_jax.studies import claims, sweep
-from geonorm_jax.training import checkpoint
 
 SEEDS = (0, 1, 2)
 SELECT = claims.SELECTION_SEED
@@ -41,27 +40,18 @@ def _loss(schedule, counter, alpha, seed):
           + 0.01 * math.log2(alpha / BEST_ALPHA[schedule]) ** 2)
 
 
-def _fake_execute(trained, unfinished=()):
-  def execute(args, runs):
-    del args
-    for run in runs:
-      if run.summary() is not None or run.name in unfinished:
-        continue
-      labels = dict(run.labels)
-      config = run.config()
-      assert config.model.geo_alpha == labels["alpha"], run.name  # the knob's override
-      loss = _loss(labels["schedule"], labels["counter"], labels["alpha"], run.seed)
-      os.makedirs(run.workdir, exist_ok=True)
-      checkpoint.save_config_json(run.workdir, config)
-      with open(os.path.join(run.workdir, "summary.json"), "w") as f:
-        json.dump({"final_eval_loss": loss, "final_step": 10}, f)
-      trained.append(run.name)
-  return execute
+def _run_loss(run):
+  labels = dict(run.labels)
+  return _loss(labels["schedule"], labels["counter"], labels["alpha"], run.seed)
+
+
+def _check_alpha(run, config):
+  assert config.model.geo_alpha == dict(run.labels)["alpha"], run.name  # the knob's override
 
 
 def _run(monkeypatch, tmp_path, *flags, unfinished=()):
   trained = []
-  monkeypatch.setattr(sweep, "execute", _fake_execute(trained, unfinished))
+  monkeypatch.setattr(sweep, "execute", fake_sweep.execute(trained, _run_loss, unfinished, _check_alpha))
   decay = load()
   args = claims.parse_args(decay, [f"--root={tmp_path}", "--schedules=harmonic,constant,sqrt,"
                                    "linear", "--counters=blocks,sublayers", *flags])

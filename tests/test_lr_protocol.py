@@ -6,6 +6,7 @@ import math
 import os
 import types
 
+import fake_sweep  # tests/ is on sys.path (no __init__.py)
 import pytest
 
 from geonorm_jax.studies import claims, sweep
@@ -26,25 +27,14 @@ def _experiment():
 OPTIMUM = {"a": 8e-3, "b": 2e-3}
 
 
-def _fake_execute(trained):
-  def execute(args, runs):
-    del args
-    for run in runs:
-      if run.summary() is not None:
-        continue
-      labels = dict(run.labels)
-      loss = 1.5 + math.log2(labels["lr"] / OPTIMUM[labels["variant"]]) ** 2 + 0.01 * run.seed
-      os.makedirs(run.workdir, exist_ok=True)
-      checkpoint.save_config_json(run.workdir, run.config())
-      with open(os.path.join(run.workdir, "summary.json"), "w") as f:
-        json.dump({"final_eval_loss": loss, "final_step": 10}, f)
-      trained.append(run.name)
-  return execute
+def _loss(run):
+  labels = dict(run.labels)
+  return 1.5 + math.log2(labels["lr"] / OPTIMUM[labels["variant"]]) ** 2 + 0.01 * run.seed
 
 
 def _run(monkeypatch, tmp_path, *flags):
   trained = []
-  monkeypatch.setattr(sweep, "execute", _fake_execute(trained))
+  monkeypatch.setattr(sweep, "execute", fake_sweep.execute(trained, _loss))
   experiment = _experiment()
   args = claims.parse_args(experiment, [f"--root={tmp_path}", *flags])
   return claims.run_tuned(experiment, args), trained

@@ -7,8 +7,8 @@ import os
 import shutil
 import types
 
+import fake_sweep  # tests/ is on sys.path (no __init__.py)
 from geonorm_jax.studies import claims, results_folder, sweep
-from geonorm_jax.training import checkpoint, metrics
 
 OPTIMUM = {"a": 4e-3, "b": 2e-3}  # a's optimum is past the starting grid's top: one extension
 
@@ -24,30 +24,14 @@ def _experiment():
       summarize=lambda rows, curves, config: claims.Summary(["| fake |"], "unresolved", "fake"))
 
 
-def _fake_execute(trained):
-  """Trains a run by writing what `train` leaves: config.json, metrics.jsonl, summary.json."""
-  def execute(args, runs):
-    del args
-    for run in runs:
-      if run.summary() is not None:
-        continue
-      labels = dict(run.labels)
-      loss = 1.5 + math.log2(labels["lr"] / OPTIMUM[labels["variant"]]) ** 2 + 0.01 * run.seed
-      os.makedirs(run.workdir, exist_ok=True)
-      checkpoint.save_config_json(run.workdir, run.config())
-      with open(os.path.join(run.workdir, metrics.METRICS_FILENAME), "w") as f:
-        for step in (5, 10):
-          f.write(json.dumps({"split": "eval", "step": step, "loss": loss + 1 / step}) + "\n")
-      with open(os.path.join(run.workdir, "summary.json"), "w") as f:
-        json.dump({"final_eval_loss": loss, "final_train_loss": loss - 0.1,
-                   "final_step": 10, "tokens_per_s": 100.0}, f)
-      trained.append(run.name)
-  return execute
+def _loss(run):
+  labels = dict(run.labels)
+  return 1.5 + math.log2(labels["lr"] / OPTIMUM[labels["variant"]]) ** 2 + 0.01 * run.seed
 
 
 def _run(monkeypatch, root, out, *flags):
   trained = []
-  monkeypatch.setattr(sweep, "execute", _fake_execute(trained))
+  monkeypatch.setattr(sweep, "execute", fake_sweep.execute(trained, _loss))
   experiment = _experiment()
   monkeypatch.setattr(claims, "load_experiment", lambda name: experiment)
   claims.run(experiment, [f"--root={root}", f"--out={out}", *flags])

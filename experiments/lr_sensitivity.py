@@ -11,7 +11,10 @@ issue's 3e-4 to 1 in steps finer than half-decades, and the norm zoo's and lr_to
 scale's 4 blocks and the head dimension fixed at 32 (d / 32 heads; the LLaMA variants' SwiGLU
 width 23 d / 8, tiny_llama's 368 at d = 128). At d = 128 the runs are the judge-scale LR-grid
 runs themselves (same names, same configs, under runs/claims/lr_grid/judge), so the norm zoo
-and lr_tolerance share them. A run far past its optimum stops early
+and lr_tolerance share them; where their workdirs are gone,
+--recorded_from=results/lr_tolerance,results/norm_zoo reads them from those experiments'
+committed results (29 of the deciding pair's and pre's and post's d = 128 runs at the time of
+writing). A run far past its optimum stops early
 (train.give_up_steps = GIVE_UP_STEPS: its train loss stayed above its first value that long,
 or went non-finite) and counts at the capped loss, so the grid's top costs little.
 

@@ -1,6 +1,7 @@
 """A results folder as the sweep's record across machines (studies/results_folder.py): with the
 workdirs gone, claims.run trains only what the folder does not hold, rewrites the folder with
 the same rows and curves, and never takes a record of another run for this one."""
+import dataclasses
 import json
 import math
 import os
@@ -8,15 +9,15 @@ import shutil
 import types
 
 import fake_sweep  # tests/ is on sys.path (no __init__.py)
+import pytest
 from geonorm_jax.studies import claims, results_folder, sweep
 
 OPTIMUM = {"a": 4e-3, "b": 2e-3}  # a's optimum is past the starting grid's top: one extension
 
 
-def _experiment():
+def _experiment(name="fake", curves=(("eval", "loss"),)):
   return types.SimpleNamespace(
-      __doc__="A fake tuned experiment.\n", NAME="fake", CLAIM="fake",
-      CURVES=(("eval", "loss"),),
+      __doc__="A fake tuned experiment.\n", NAME=name, CLAIM="fake", CURVES=curves,
       SCALES={"judge": claims.Scale("configs/judge.py", "", "0,1", "fake")},
       TUNED_LRS={"judge": "1e-3,2e-3"},
       grid=lambda args, scale: [claims.variant("a", "placement=pre", variant="a"),
@@ -29,11 +30,12 @@ def _loss(run):
   return 1.5 + math.log2(labels["lr"] / OPTIMUM[labels["variant"]]) ** 2 + 0.01 * run.seed
 
 
-def _run(monkeypatch, root, out, *flags):
+def _run(monkeypatch, root, out, *flags, experiment=None):
   trained = []
   monkeypatch.setattr(sweep, "execute", fake_sweep.execute(trained, _loss))
-  experiment = _experiment()
-  monkeypatch.setattr(claims, "load_experiment", lambda name: experiment)
+  experiment = experiment or _experiment()
+  experiments = {"fake": _experiment(), experiment.NAME: experiment}
+  monkeypatch.setattr(claims, "load_experiment", lambda name: experiments[name])
   claims.run(experiment, [f"--root={root}", f"--out={out}", *flags])
   return trained
 
@@ -54,13 +56,14 @@ def test_a_sweep_resumes_from_its_results_folder_on_a_new_machine(monkeypatch, t
   # (2e-3 an edge, then interior); then 2 final seeds each.
   assert len(first) == 4 + 3 + 4
   rows, curves, config = _folder(out)
-  assert config["recorded"] == [] and not config["missing"]
+  assert config["recorded"] == {} and not config["missing"]
   shutil.rmtree(tmp_path / "machine1")  # the machine is gone; the committed folder is not
 
   assert _run(monkeypatch, tmp_path / "machine2", out) == []  # nothing trains again
   rows2, curves2, config2 = _folder(out)
   assert rows2 == rows and curves2 == curves  # carried as written, extensions and finals too
-  assert sorted(config2["recorded"]) == sorted(first) and config2["runs"] == config["runs"]
+  assert config2["recorded"] == {name: "results" for name in first}
+  assert config2["runs"] == config["runs"]
 
   # A row the folder lacks (that run had not finished when the folder was written) trains,
   # and only it; the rest keep their recorded numbers.
@@ -71,20 +74,55 @@ def test_a_sweep_resumes_from_its_results_folder_on_a_new_machine(monkeypatch, t
   assert rows3 == rows and curves3 == curves  # the fake trainer is deterministic
 
 
-def test_a_record_of_another_command_is_not_this_run(monkeypatch, tmp_path):
+def test_a_record_of_another_config_is_not_this_run(monkeypatch, tmp_path):
   out = tmp_path / "results"
   first = _run(monkeypatch, tmp_path / "machine1", out)
-  # Another --extra is another train command under the same names: everything trains.
+  # Another --extra is another config under the same names: everything trains.
   again = _run(monkeypatch, tmp_path / "machine2", out, "--extra=steps=20")
   assert sorted(again) == sorted(first)
   _, _, config = _folder(out)
-  assert config["recorded"] == [] and all("steps=20" in o for o in config["runs"].values())
-  # A folder written by a --quick smoke run never stands for the full runs, nor for another
-  # scale's config file.
-  folder_args = ("configs/judge.py", "judge")
-  assert results_folder.recorded_runs(out, *folder_args, quick=False)
-  assert not results_folder.recorded_runs(out, *folder_args, quick=True)
-  assert not results_folder.recorded_runs(out, "configs/llama.py", "judge", quick=False)
+  assert config["recorded"] == {} and all("steps=20" in o for o in config["runs"].values())
+  record = results_folder.recorded_runs(out)["a/lr0.001/seed100"]
+  run = sweep.Run("a/lr0.001/seed100", "configs/judge.py", record.overrides, 100)
+  assert results_folder.same_run(record, run)
+  # The same config spelled otherwise is the same run; another seed, file or field is not.
+  reordered = ",".join(reversed(record.overrides.split(",")))
+  assert results_folder.same_run(record, dataclasses.replace(run, overrides=reordered))
+  assert not results_folder.same_run(record, dataclasses.replace(run, seed=101))
+  assert not results_folder.same_run(record, dataclasses.replace(run, overrides=record.overrides
+                                                                  + ",warmup_steps=7"))
+  assert not results_folder.same_run(record, dataclasses.replace(run,
+                                                                 config_file="configs/llama.py"))
+
+
+def test_another_experiments_folder_lends_its_runs_of_the_same_config(monkeypatch, tmp_path):
+  """lr_sensitivity's widest width and lr_tolerance's grid are the same runs; an LR-sensitivity
+  run gives up early (train.give_up_steps), which changes nothing for a run that never gave up."""
+  lender = tmp_path / "lender"
+  lent = _run(monkeypatch, tmp_path / "machine1", lender, "--extra=steps=20")
+  rows = {row["name"]: row for row in results_folder.read_csv(lender / "results.csv")}
+  gave_up = "b/lr0.004/seed100"  # as if it had given up: that run is not the same run any more
+  rows[gave_up]["gave_up_step"] = 300
+  sweep.write_csv(lender / "results.csv", list(rows.values()))
+  borrower = _experiment("borrower")
+  out = tmp_path / "borrower"
+  trained = _run(monkeypatch, tmp_path / "machine2", out, "--extra=steps=20,give_up_steps=100",
+                 f"--recorded_from={lender}", experiment=borrower)
+  assert trained == [gave_up]
+  borrowed, _, config = _folder(out)
+  assert config["recorded"] == {name: "lender" for name in lent if name != gave_up}
+  assert str(tmp_path) not in json.dumps(config)  # no machine path written
+  assert {r["name"]: r["final_eval_loss"] for r in borrowed if r["name"] != gave_up} == {
+      name: row["final_eval_loss"] for name, row in rows.items() if name != gave_up}
+  # A folder whose curves.csv lacks a curve the borrower reads lends nothing: one clear error.
+  reads_more = _experiment("reads_more", curves=(("eval", "loss"), ("train", "loss")))
+  with pytest.raises(SystemExit, match=r"--recorded_from: .*lender was written by fake, whose "
+                     r"curves.csv lacks \[\('train', 'loss'\)\]"):
+    _run(monkeypatch, tmp_path / "machine3", tmp_path / "other", f"--recorded_from={lender}",
+         experiment=reads_more)
+  with pytest.raises(SystemExit, match="--recorded_from: .*nowhere is not a results folder"):
+    _run(monkeypatch, tmp_path / "machine3", tmp_path / "other",
+         f"--recorded_from={tmp_path / 'nowhere'}")
 
 
 def test_a_finished_workdir_wins_over_the_record(monkeypatch, tmp_path):

@@ -134,6 +134,10 @@ def parse_args(experiment, argv=None):
                       help="print one train command per run (for a cluster) and exit")
   parser.add_argument("--report_only", action="store_true",
                       help="collect the finished runs without training any")
+  parser.add_argument("--recorded_from", default="", help="comma list of other results "
+                      "folders whose recorded runs of the same config count as finished here "
+                      "(e.g. lr_sensitivity's widest width from results/lr_tolerance); the "
+                      "experiment's own --out folder always counts")
   tuned = hasattr(experiment, "TUNED_LRS") or hasattr(experiment, "SELECTED")
   if hasattr(experiment, "TUNED_LRS") or hasattr(experiment, "SWEPT_LRS"):
     parser.add_argument("--lrs", default=None, help="the (starting) LR grid; default the "
@@ -165,10 +169,24 @@ def parse_args(experiment, argv=None):
                     if args.root else os.path.join("runs", "claims", "lr_grid", scale_dir))
   args.root = args.root or os.path.join("runs", "claims", experiment.NAME, scale_dir)
   args.out = args.out or os.path.join(REPO, "results", experiment.NAME + suffix)
-  # The folder's earlier results stand for runs whose workdirs are not on this machine.
-  args.recorded = results_folder.recorded_runs(args.out, scale.config_file, args.scale,
-                                               args.quick)
+  # Earlier results stand for runs whose workdirs are not on this machine.
+  args.recorded = [results_folder.recorded_runs(args.out)] + [
+      _other_records(experiment, folder) for folder in args.recorded_from.split(",") if folder]
   return args
+
+
+def _other_records(experiment, folder):
+  """--recorded_from's folder: its records, when it copied every curve this experiment reads."""
+  path = os.path.join(folder, "config.json")
+  if not os.path.exists(path):
+    raise SystemExit(f"--recorded_from: {folder} is not a results folder (no config.json)")
+  with open(path) as f:
+    other = load_experiment(json.load(f)["experiment"])
+  missing = sorted(set(experiment.CURVES) - set(other.CURVES))
+  if missing:
+    raise SystemExit(f"--recorded_from: {folder} was written by {other.NAME}, whose curves.csv "
+                     f"lacks {missing} that {experiment.NAME} reads")
+  return results_folder.recorded_runs(folder)
 
 
 def _make_run(args, scale, v, seed, root, value=None, stage=None, knob=LR_KNOB):
@@ -179,9 +197,12 @@ def _make_run(args, scale, v, seed, root, value=None, stage=None, knob=LR_KNOB):
                    args.extra, "progress_bar=false")
   name = f"{v.name}/{knob.label}{value:g}/seed{seed}" if tuned else f"{v.name}/seed{seed}"
   labels = v.labels + (((knob.label, value), ("stage", stage)) if tuned else ())
-  record = getattr(args, "recorded", {}).get(name)
-  return sweep.Run(name, scale.config_file, overrides, seed, root, labels=labels,
-                   record=record if record and record.overrides == overrides else None)
+  run = sweep.Run(name, scale.config_file, overrides, seed, root, labels=labels)
+  for records in getattr(args, "recorded", ()):  # its own folder first
+    record = records.get(name)
+    if record is not None and results_folder.same_run(record, run):
+      return dataclasses.replace(run, record=record)
+  return run
 
 
 def _checked(experiment, runs):
@@ -316,14 +337,14 @@ def run(experiment, argv=None):
   scale = experiment.SCALES[args.scale]
   extra_args = {k: v for k, v in vars(args).items()
                 if k not in ("seed_list", "root", "grid_root", "out", "print_only", "report_only",
-                             "jobs", "recorded")}
+                             "jobs", "recorded", "recorded_from")}
   sweep.write_config(os.path.join(args.out, "config.json"), experiment=experiment.NAME,
                      claim=experiment.CLAIM, command=_command(experiment, argv),
                      scale=args.scale, scale_note=scale.note,
                      config_file=scale.config_file, args=extra_args,
                      runs={r.name: r.overrides for r in runs},
                      missing=[r.name for r in runs if r.summary() is None],
-                     recorded=[r.name for r in finished if r.from_record()])
+                     recorded={r.name: r.record.source for r in finished if r.from_record()})
   summary = report(args.out)
   print("\n".join(summary.table))
   print(f"verdict: {summary.verdict}: {summary.result}")
@@ -336,7 +357,8 @@ def _command(experiment, argv):
   arguments = sys.argv[1:] if argv is None else argv
   # Where the runs and results went and how many ran at once change no number: left out, so
   # no results file names a machine's folders.
-  arguments = [a for a in arguments if not a.startswith(("--root=", "--out=", "--jobs="))]
+  arguments = [a for a in arguments
+               if not a.startswith(("--root=", "--out=", "--jobs=", "--recorded_from="))]
   return shlex.join(["python", f"experiments/{experiment.NAME}.py", *arguments])
 
 

@@ -124,20 +124,28 @@ def _flat(config):
   return out
 
 
+def config_differences(saved, wanted, gave_up_step=None):
+  """The fields, sorted, in which a finished run's config `saved` and the requested `wanted`
+  differ in a way that changes the numbers (all but _OPERATIONAL; train.give_up_steps only
+  for a run that gave up, at gave_up_step)."""
+  saved, wanted = _flat(saved), _flat(wanted)
+  if not gave_up_step:
+    saved.pop(_GIVE_UP, None)
+    wanted.pop(_GIVE_UP, None)
+  return [(k, saved.get(k), wanted.get(k)) for k in sorted(set(saved) | set(wanted))
+          if saved.get(k) != wanted.get(k)]
+
+
 def check_finished(run):
   """A finished run is skipped: it must be the run asked for. Its saved config.json has to
-  match the requested config in every field that changes the numbers (all but _OPERATIONAL),
+  match the requested config in every field that changes the numbers (config_differences),
   or a changed grid would silently reuse another run."""
   from geonorm_jax.training import config as config_lib  # pylint: disable=g-import-not-at-top
   with open(os.path.join(run.workdir, "config.json")) as f:
-    saved = _flat(config_lib.from_dict(json.load(f)))
-  wanted = _flat(run.config())
-  if not (run.summary() or {}).get("gave_up_step"):
-    saved.pop(_GIVE_UP, None)
-    wanted.pop(_GIVE_UP, None)
-  changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+    saved = config_lib.from_dict(json.load(f))
+  changed = config_differences(saved, run.config(), (run.summary() or {}).get("gave_up_step"))
   if changed:
-    detail = ", ".join(f"{k}: {saved.get(k)!r} != {wanted.get(k)!r}" for k in changed[:4])
+    detail = ", ".join(f"{k}: {a!r} != {b!r}" for k, a, b in changed[:4])
     raise SystemExit(f"sweep: {run.workdir} holds a finished run of another config ({detail}); "
                      "move it away or choose another --root")
 

@@ -140,3 +140,21 @@ def test_a_finished_workdir_wins_over_the_record(monkeypatch, tmp_path):
   assert {r["name"]: r["final_eval_loss"] for r in rows2}[name] == 9.0
   assert name not in config["recorded"]
   assert [r for r in rows2 if r["name"] != name] == [r for r in rows if r["name"] != name]
+
+
+def test_a_record_that_may_have_given_up_is_not_a_full_run():
+  """A run of an LR-sensitivity grid (train.give_up_steps=100) stands for the same run without
+  the setting only when its row says it never gave up; a row written before results.csv had
+  the column says nothing, so it does not."""
+  overrides = "placement=pre,lr=0.5"
+  row = {"name": "pre/lr0.5/seed100", "seed": 100}
+  full_run = sweep.Run(row["name"], "configs/judge.py", overrides, 100)
+  def record(**fields):
+    return results_folder.Recorded("lr_sensitivity", "configs/judge.py",
+                                   overrides + ",give_up_steps=100", {**row, **fields}, ())
+  assert results_folder.same_run(record(gave_up_step=None), full_run)
+  assert not results_folder.same_run(record(gave_up_step=300), full_run)
+  assert not results_folder.same_run(record(), full_run)
+  never_could = results_folder.Recorded("norm_zoo", "configs/judge.py", overrides, row, ())
+  assert results_folder.same_run(never_could, dataclasses.replace(
+      full_run, overrides=overrides + ",give_up_steps=100"))

@@ -37,7 +37,7 @@ A results folder holds results.csv (one row per finished run: labels, seed, fina
 curves.csv (name, split, key, step, value), config.json (the experiment, its scale, seeds and
 every run's overrides), table.md, verdict.json and the figures. `python -m geonorm_jax report
 DIR` reads only results.csv, curves.csv and config.json. The folder is also the sweep's record
-across machines (results_folder.py): a run it holds with the same overrides is finished, even
+across machines (results_folder.py): a run it holds with the same config is finished, even
 where its workdir is gone, so a sweep resumes from a committed results folder.
 """
 import argparse
@@ -394,7 +394,9 @@ def collect(experiment, runs):
                step_time_s=tokens_per_step / tokens_per_s if tokens_per_s else float("nan"),
                loss_spikes=summary.get("loss_spikes", 0),
                skipped_steps=summary.get("skipped_steps", 0),
-               collapse_step=summary.get("collapse_step"))
+               collapse_step=summary.get("collapse_step"),
+               # train.give_up_steps stopped it there: a record of it is not a full run's
+               gave_up_step=summary.get("gave_up_step"))
     if hasattr(experiment, "row_extra"):
       row.update(experiment.row_extra(r, run_config))
     rows.append(row)

@@ -91,4 +91,6 @@ def same_run(record, run):
     wanted = _config(run.config_file, run.overrides, run.seed)
   except (ValueError, KeyError, AttributeError):  # the run's own error comes from _checked
     return False
-  return not sweep.config_differences(saved, wanted, record.row.get("gave_up_step"))
+  # A row written before results.csv had the column: a run that could have given up may have.
+  gave_up = record.row.get("gave_up_step", saved.train.give_up_steps)
+  return not sweep.config_differences(saved, wanted, gave_up)

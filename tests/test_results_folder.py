@@ -123,6 +123,12 @@ def test_another_experiments_folder_lends_its_runs_of_the_same_config(monkeypatc
   with pytest.raises(SystemExit, match="--recorded_from: .*nowhere is not a results folder"):
     _run(monkeypatch, tmp_path / "machine3", tmp_path / "other",
          f"--recorded_from={tmp_path / 'nowhere'}")
+  (tmp_path / "hand_made").mkdir()
+  (tmp_path / "hand_made" / "config.json").write_text("{}")
+  with pytest.raises(SystemExit, match="--recorded_from: .*hand_made.config.json does not name "
+                     "a claim experiment"):
+    _run(monkeypatch, tmp_path / "machine3", tmp_path / "other",
+         f"--recorded_from={tmp_path / 'hand_made'}")
 
 
 def test_a_finished_workdir_wins_over_the_record(monkeypatch, tmp_path):

@@ -180,8 +180,11 @@ def _other_records(experiment, folder):
   path = os.path.join(folder, "config.json")
   if not os.path.exists(path):
     raise SystemExit(f"--recorded_from: {folder} is not a results folder (no config.json)")
-  with open(path) as f:
-    other = load_experiment(json.load(f)["experiment"])
+  try:
+    with open(path) as f:
+      other = load_experiment(json.load(f)["experiment"])
+  except (ValueError, KeyError, FileNotFoundError) as e:  # not JSON, no or an unknown experiment
+    raise SystemExit(f"--recorded_from: {path} does not name a claim experiment ({e!r})") from None
   missing = sorted(set(experiment.CURVES) - set(other.CURVES))
   if missing:
     raise SystemExit(f"--recorded_from: {folder} was written by {other.NAME}, whose curves.csv "

@@ -219,10 +219,10 @@ def summarize(rows, curves, config):
     result = (f"at lr {lr}, harmonic's best cell (alpha {alpha:g}, k={counter}) "
               f"{claims.cell(runs, 'final_eval_loss')} - each schedule's best cell, final "
               "validation loss: ")
+    result += "; ".join(f"{s} (alpha {cells[s][0]:g}, k={cells[s][1]}) {d.describe()}"
+                        for s, d in diffs.items()) + "."
   else:
-    result = "harmonic or the other schedules without final runs; "
-  result += "; ".join(f"{s} (alpha {cells[s][0]:g}, k={cells[s][1]}) {d.describe()}"
-                      for s, d in diffs.items()) + "."
+    result = "no paired comparison yet (harmonic or the other schedules without final runs)."
   pending = [s for s, (_, _, runs) in cells.items() if not runs]
   if pending:
     result += f" Final seeds pending: {', '.join(pending)}."

@@ -30,3 +30,9 @@ def execute(trained, loss_of, unfinished=(), check=None):
                    "tokens_per_s": 100.0}, f)
       trained.append(run.name)
   return fake
+
+
+def dirs(tmp_path):
+  """--root and --out both under tmp_path: the repository's results/ folders, whose records
+  count as finished runs (studies/results_folder.py), are never read."""
+  return [f"--root={tmp_path}", f"--out={tmp_path / 'results'}"]

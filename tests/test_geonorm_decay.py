@@ -51,9 +51,10 @@ def _check_alpha(run, config):
 
 def _run(monkeypatch, tmp_path, *flags, unfinished=()):
   trained = []
-  monkeypatch.setattr(sweep, "execute", fake_sweep.execute(trained, _run_loss, unfinished, _check_alpha))
+  monkeypatch.setattr(sweep, "execute",
+                      fake_sweep.execute(trained, _run_loss, unfinished, _check_alpha))
   decay = load()
-  args = claims.parse_args(decay, [f"--root={tmp_path}", "--schedules=harmonic,constant,sqrt,"
+  args = claims.parse_args(decay, [*fake_sweep.dirs(tmp_path), "--schedules=harmonic,constant,sqrt,"
                                    "linear", "--counters=blocks,sublayers", *flags])
   return claims.run_tuned(decay, args), trained
 
@@ -128,13 +129,13 @@ def test_quick_is_one_alpha_and_no_extension(monkeypatch, tmp_path):
 def test_a_bad_grid_is_one_error_before_any_run(tmp_path, flag, message):
   decay = load()
   with pytest.raises(SystemExit, match=message):
-    claims.make_runs(decay, claims.parse_args(decay, [f"--root={tmp_path}", flag]))
+    claims.make_runs(decay, claims.parse_args(decay, [*fake_sweep.dirs(tmp_path), flag]))
   assert not os.listdir(tmp_path)
 
 
 def test_the_selection_seed_is_never_a_final_seed(tmp_path):
   with pytest.raises(SystemExit):
-    claims.parse_args(load(), [f"--root={tmp_path}", f"--seeds=0,{SELECT}"])
+    claims.parse_args(load(), [*fake_sweep.dirs(tmp_path), f"--seeds=0,{SELECT}"])
 
 
 # ---------------------------------------------------------------------------

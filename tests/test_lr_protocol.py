@@ -36,7 +36,7 @@ def _run(monkeypatch, tmp_path, *flags):
   trained = []
   monkeypatch.setattr(sweep, "execute", fake_sweep.execute(trained, _loss))
   experiment = _experiment()
-  args = claims.parse_args(experiment, [f"--root={tmp_path}", *flags])
+  args = claims.parse_args(experiment, [*fake_sweep.dirs(tmp_path), *flags])
   return claims.run_tuned(experiment, args), trained
 
 
@@ -61,7 +61,7 @@ def test_an_edge_optimum_extends_the_grid_until_it_is_interior(monkeypatch, tmp_
 def test_report_only_reads_the_finished_extensions_and_trains_nothing(monkeypatch, tmp_path):
   experiment = _experiment()
   monkeypatch.setattr(sweep, "execute", lambda args, runs: None)  # --report_only trains nothing
-  report_only = [f"--root={tmp_path}", "--report_only"]
+  report_only = [*fake_sweep.dirs(tmp_path), "--report_only"]
   before = claims.run_tuned(experiment, claims.parse_args(experiment, report_only))
   # Nothing finished: the starting grid only, no extension, no final run.
   assert sorted((dict(r.labels)["variant"], dict(r.labels)["lr"]) for r in before) == sorted(
@@ -84,7 +84,7 @@ def test_extensions_run_out_and_the_edge_is_reported(monkeypatch, tmp_path):
 
 def test_the_selection_seed_is_never_a_final_seed(tmp_path):
   with pytest.raises(SystemExit):
-    claims.parse_args(_experiment(), [f"--root={tmp_path}", "--seeds=0,100"])
+    claims.parse_args(_experiment(), [*fake_sweep.dirs(tmp_path), "--seeds=0,100"])
 
 
 def test_a_finished_run_of_another_config_is_an_error(tmp_path):

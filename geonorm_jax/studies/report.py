@@ -103,28 +103,21 @@ def plot_mechanisms(run_dir, path=None):
   """RUN/mechanisms.png (or `path`): the instability mechanisms over the steps of one run,
   as draw_mechanisms draws them. Returns the path written."""
   path = path or os.path.join(run_dir, MECHANISMS_FILENAME)
-  _mechanism_steps(run_dir)  # refuses a run without them before a figure exists
   plt = _pyplot()
   figure = plt.figure(figsize=(20, 4.2))
-  draw_mechanisms(figure, run_dir)
-  figure.tight_layout()
-  figure.savefig(path, dpi=120)
-  plt.close(figure)
+  try:
+    draw_mechanisms(figure, run_dir)  # a run without them is refused before anything is saved
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+  finally:
+    plt.close(figure)
   return path
 
 
-def _mechanism_steps(run_dir):
-  steps, layers, logit_max = metrics.read_layer_series(run_dir, "attn_logit_max")
-  if not len(steps):
-    raise ValueError(f"{os.path.join(run_dir, metrics.METRICS_FILENAME)} has no "
-                     "attn_logit_max/layer_XX in its `layers` split: train with "
-                     "train.layer_stats_every > 0 to log the mechanisms")
-  return steps, layers, logit_max
-
-
-def spike_steps(run_dir):
-  """The steps the run logged as spikes (its `spikes` split), sorted."""
-  return sorted({int(r["step"]) for r in metrics.read_metrics(run_dir) if r["split"] == "spikes"})
+def _series(records_by_step, key):
+  """(steps, values) of one scalar of {step: record}, for the steps that logged it."""
+  steps = [step for step in sorted(records_by_step) if key in records_by_step[step]]
+  return steps, [float(records_by_step[step][key]) for step in steps]
 
 
 def draw_mechanisms(figure, run_dir):
@@ -137,7 +130,18 @@ def draw_mechanisms(figure, run_dir):
   on the batch of step t + 1, so a logged spike at step s is marked at t = s - 1 (dotted red).
   A run that never logged them (train.layer_stats_every=0, or older than these statistics) is
   refused by name. Returns the four axes."""
-  logit_steps, layers, logit_max = _mechanism_steps(run_dir)
+  logit_steps, layers, logit_max = metrics.read_layer_series(run_dir, "attn_logit_max")
+  if not len(logit_steps):
+    raise ValueError(f"{os.path.join(run_dir, metrics.METRICS_FILENAME)} has no "
+                     "attn_logit_max/layer_XX in its `layers` split: train with "
+                     "train.layer_stats_every > 0 to log the mechanisms")
+  records = metrics.read_metrics(run_dir)  # once, for every scalar below
+  # A step logged twice (a resumed run): the later line's value of each key wins, as in
+  # metrics.read_scalar_series.
+  layer_records = {}
+  for record in records:
+    if record["split"] == "layers":
+      layer_records.setdefault(int(record["step"]), {}).update(record)
   entropy_steps, entropy_layers, entropy = metrics.read_layer_series(run_dir, "attn_entropy")
   logit_axes, entropy_axes, output_axes, norm_axes = figure.subplots(1, 4)
   for column, layer in enumerate(layers):
@@ -148,18 +152,17 @@ def draw_mechanisms(figure, run_dir):
                       label=f"layer {layer}")
   for name, label, style in (("logits/log_z_mean", "mean log Z", "-"),
                              ("logits/max", "max logit", "--")):
-    steps, values = metrics.read_scalar_series(run_dir, name, split="layers")
-    output_axes.plot(steps, values, style, color="k", label=label)
+    output_axes.plot(*_series(layer_records, name), style, color="k", label=label)
   prefix = "norm_input_rms/"
-  sites = sorted({key for record in metrics.read_metrics(run_dir) if record["split"] == "layers"
-                  for key in record if key.startswith(prefix)})
+  sites = sorted({key for record in layer_records.values() for key in record
+                  if key.startswith(prefix)})
   for index, key in enumerate(sites):
-    steps, values = metrics.read_scalar_series(run_dir, key, split="layers")
+    steps, values = _series(layer_records, key)
     norm_axes.plot(steps, values, color=f"C{index % 10}", ls=("-", "--", ":")[index // 10 % 3],
                    label=key[len(prefix):])
   if sites:
     norm_axes.set_yscale("log")
-  spikes = spike_steps(run_dir)
+  spikes = sorted({int(r["step"]) for r in records if r["split"] == "spikes"})
   panels = ((logit_axes, "max attention logit (before softmax)"),
             (entropy_axes, "attention entropy (nats, mean over rows)"),
             (output_axes, "output logits"), (norm_axes, "norm input RMS per site"))

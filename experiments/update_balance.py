@@ -12,9 +12,9 @@ run's warmup.
 The update-to-parameter ratio ||Delta W|| / ||W|| of the same blocks (update_ratio/layer_XX,
 the optimizer's step) is reported beside it and decides nothing: AdamW divides each
 coordinate's step by its own gradient scale, so it evens out what the gradients do not.
-Every run trains at one stated peak LR (LR below, --lr), to be set from the norm zoo's tuned
-LR for the base placement, Pre-LN (results/norm_zoo/table.md); the judge recipe's 2e-3 until
-then.
+Every run trains at one stated peak LR (LR below, --lr): the norm zoo's tuned LR for the base
+placement, Pre-LN, 4e-3 at the judge scale (results/norm_zoo/table.md), which is Peri-LN's
+tuned LR too; GeoNorm's is 2e-3, its selection loss at 4e-3 0.006 above (1.708 vs 1.702).
 Judge scale: configs/judge.py (tiny model, 2000 steps x 16 x 128 characters of
 tinyshakespeare), layer statistics every 25 steps; 3 placements x 3 seeds = 9 runs, about
 9 x 3.8 = 34 minutes on this 2-core machine, two runs at once. --quick: 150 steps, one seed.
@@ -42,8 +42,8 @@ from geonorm_jax.studies import claims, stats  # pylint: disable=g-import-not-at
 NAME = "update_balance"
 CLAIM = "Pre-LN gives lower layers larger gradients than upper ones (GeoNorm's motivation)"
 PAPER_NUMBER = "qualitative (GeoNorm paper's motivation)"
-# The stated peak LR of every run: set it from the norm zoo's tuned LR for Pre-LN.
-LR = {"judge": "2e-3", "paper": "6e-4"}
+# The stated peak LR of every run: the norm zoo's tuned LR for Pre-LN (results/norm_zoo).
+LR = {"judge": "4e-3", "paper": "6e-4"}
 MARGIN = 1.25  # first/last gradient norm ratios within [1/MARGIN, MARGIN] count as balanced
 SCALES = {
     "judge": claims.Scale("configs/judge.py", "layer_stats_every=25", "0,1,2",

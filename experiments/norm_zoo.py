@@ -47,9 +47,9 @@ CURVES = (("train", "loss"), ("eval", "loss"))
 BASELINES = ("pre", "post", "deepnorm", "peri")
 # The claim's five, then extras that are reported alongside and never decide the verdict.
 DEFAULT_VARIANTS = ("pre", "post", "peri", "deepnorm", "geonorm", "reordered")
-OTHER_VARIANTS = ("peri_dt0.1", "peri_embed_norm", "geonorm_constant", "geonorm_sqrt",
-                  "geonorm_linear", "geonorm_linear_paper", "simplenorm", "lns", "mixln", "ngpt",
-                  "dyt")
+OTHER_VARIANTS = ("peri_dt0.1", "peri_embed_norm", "geonorm_alpha4", "geonorm_constant",
+                  "geonorm_sqrt", "geonorm_linear", "geonorm_linear_paper", "simplenorm", "lns",
+                  "mixln", "ngpt", "dyt")
 
 
 def add_arguments(parser):

@@ -210,6 +210,9 @@ PLACEMENT_VARIANTS = {
     "reordered": "placement=reordered",  # OLMo 2's norm on the sublayer output only
     "deepnorm": "placement=deepnorm",
     "geonorm": "placement=geonorm",  # harmonic alpha/k, alpha=1
+    # The step scale geonorm_decay's selection seed chose for harmonic at the judge scale
+    # (results/geonorm_decay/table.md), so the norm zoo can tune GeoNorm's LR at it.
+    "geonorm_alpha4": "placement=geonorm,geo_alpha=4",
     "geonorm_constant": "placement=geonorm,geo_schedule=constant",
     "geonorm_sqrt": "placement=geonorm,geo_schedule=sqrt",
     "geonorm_linear": "placement=geonorm,geo_schedule=linear",

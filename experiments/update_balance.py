@@ -1,7 +1,7 @@
 """Update balance: does Pre-LN give its lower layers larger gradients than its upper ones?
 
   python experiments/update_balance.py [--scale=judge|paper] [--seeds=0,1,2] [--quick]
-      [--variants=pre,geonorm,peri] [--lr=2e-3] [--jobs=N] [--print]
+      [--variants=pre,geonorm,peri] [--lr=4e-3] [--jobs=N] [--print]
 
 The quantity. GeoNorm's motivation (arXiv 2601.22095, as its summaries put it) is that
 Pre-Norm "suffers from gradient imbalance across layers": the lower blocks receive larger
@@ -12,9 +12,12 @@ run's warmup.
 The update-to-parameter ratio ||Delta W|| / ||W|| of the same blocks (update_ratio/layer_XX,
 the optimizer's step) is reported beside it and decides nothing: AdamW divides each
 coordinate's step by its own gradient scale, so it evens out what the gradients do not.
-Every run trains at one stated peak LR (LR below, --lr): the norm zoo's tuned LR for the base
-placement, Pre-LN, 4e-3 at the judge scale (results/norm_zoo/table.md), which is Peri-LN's
-tuned LR too; GeoNorm's is 2e-3, its selection loss at 4e-3 0.006 above (1.708 vs 1.702).
+Every placement trains at its own tuned peak LR (LRS below: the norm zoo's judge-scale
+table, results/norm_zoo/table.md): Pre-LN and Peri-LN at 4e-3, GeoNorm at 2e-3. A gradient
+ratio read from a run that has come apart measures the divergence, not the placement: at
+Pre-LN's 4e-3, GeoNorm's loss rose mid-run in 2 of 3 seeds (after step ~170 and ~490) while its
+first block's gradient norm grew 10^3-10^5-fold (results/update_balance_shared_lr). --lr=X
+trains every variant at X instead: the shared-LR comparison.
 Judge scale: configs/judge.py (tiny model, 2000 steps x 16 x 128 characters of
 tinyshakespeare), layer statistics every 25 steps; 3 placements x 3 seeds = 9 runs, about
 9 x 3.8 = 34 minutes on this 2-core machine, two runs at once. --quick: 150 steps, one seed.
@@ -42,14 +45,16 @@ from geonorm_jax.studies import claims, stats  # pylint: disable=g-import-not-at
 NAME = "update_balance"
 CLAIM = "Pre-LN gives lower layers larger gradients than upper ones (GeoNorm's motivation)"
 PAPER_NUMBER = "qualitative (GeoNorm paper's motivation)"
-# The stated peak LR of every run: the norm zoo's tuned LR for Pre-LN (results/norm_zoo).
-LR = {"judge": "4e-3", "paper": "6e-4"}
+# Each placement's tuned peak LR (judge: results/norm_zoo/table.md); None: any other.
+LRS = {"judge": {"pre": "4e-3", "peri": "4e-3", "geonorm": "2e-3", None: "4e-3"},
+       "paper": {None: "6e-4"}}
 MARGIN = 1.25  # first/last gradient norm ratios within [1/MARGIN, MARGIN] count as balanced
 SCALES = {
     "judge": claims.Scale("configs/judge.py", "layer_stats_every=25", "0,1,2",
                           "judge scale: tiny model (4 blocks x 128, untied head), "
                           "character-level tinyshakespeare, 2000 steps x 16 x 128 tokens, "
-                          "cosine to 0.1x (configs/judge.py); one stated LR."),
+                          "cosine to 0.1x (configs/judge.py); each variant at the peak LR "
+                          "in the table."),
     "paper": claims.Scale("configs/geonorm_paper.py", "125m,layer_stats_every=100", "0,1,2",
                           "GeoNorm's 125M (12 x 768, RoPE, untied), 20k steps x 0.5M tokens "
                           "(configs/geonorm_paper.py); one stated LR."),
@@ -59,15 +64,23 @@ CURVES = (("train", "loss"), ("train", "grad_norm/layer_"), ("train", "update_ra
 
 def add_arguments(parser):
   claims.add_variants_argument(parser, ("pre", "geonorm", "peri"))
-  parser.add_argument("--lr", default=None, help="peak LR of every run; default LR[scale]")
+  parser.add_argument("--lr", default=None, help="peak LR of every variant (the shared-LR "
+                      "comparison); default each variant's LRS[scale]")
 
 
 def grid(args, scale):
   del scale
-  args.lr = args.lr or LR[args.scale]
   steps = claims.steps_overrides(150) if args.quick else ""
-  return [claims.variant(name, claims.join(overrides, f"lr={args.lr}", steps), variant=name)
+  return [claims.variant(name, claims.join(overrides, f"lr={lr_of(args, name)}", steps),
+                         variant=name, lr=float(lr_of(args, name)))
           for name, overrides in claims.variant_list(args)]
+
+
+def lr_of(args, name):
+  if args.lr:
+    return args.lr
+  lrs = LRS[args.scale]
+  return lrs.get(name, lrs[None])
 
 
 def row_extra(run, workdir_config):
@@ -130,19 +143,23 @@ def summarize(rows, curves, config):
     row["imbalance"] = _ratio(ratios)
     row["grad_imbalance"] = _ratio(grads)
   by_variant = {name: runs for (name,), runs in claims.group(rows, "variant").items()}
-  table = ["| variant | seeds | gradient norm, first / last block (decides) | update ratio, "
-           "first / last block | per-block gradient norm (mean over seeds) |",
-           "|---|---|---|---|---|"]
+  table = ["| variant | lr | seeds | gradient norm, first / last block (decides) | update "
+           "ratio, first / last block | per-block gradient norm (mean over seeds) | validation "
+           "loss |", "|---|---|---|---|---|---|---|"]
   for name, runs in by_variant.items():
     per_block = np.mean([layer_means(curves, r, "grad_norm/", _warmup(r)) for r in runs], 0)
-    table.append(f"| {name} | {len(runs)} | {claims.cell(runs, 'grad_imbalance')} | "
-                 f"{claims.cell(runs, 'imbalance')} | "
-                 + ", ".join(f"{v:.2e}" for v in np.atleast_1d(per_block)) + " |")
+    lrs = sorted({f"{float(r.get('lr') or config['args']['lr']):g}" for r in runs
+                  if r.get("lr") or config["args"].get("lr")})
+    table.append(f"| {name} | {', '.join(lrs) or '-'} | {len(runs)} | "
+                 f"{claims.cell(runs, 'grad_imbalance')} | {claims.cell(runs, 'imbalance')} | "
+                 + ", ".join(f"{v:.2e}" for v in np.atleast_1d(per_block))
+                 + f" | {claims.cell(runs, 'final_eval_loss')} |")
   holds, diffs = verdict_of(by_variant)
   table += ["", "Means over the logged steps after the run's warmup. Gradient norm: of a "
             "block's parameters. Update ratio: ||Delta W|| / ||W|| of one optimizer step over "
             f"a block's parameters. Balanced: a ratio within [1/{MARGIN:g}, {MARGIN:g}]. "
-            f"lr {config['args'].get('lr')}."]
+            + (f"Every variant at lr {config['args']['lr']} (shared)."
+               if config["args"].get("lr") else "Each variant at its tuned lr.")]
   texts = []
   if "Pre-LN above the margin" in diffs:
     texts.append(f"Pre-LN's first/last gradient norm ratio "

@@ -65,7 +65,7 @@ RUNS = {"depth_growth": 2, "norm_zoo": 3, "lr_tolerance": 3, "lr_sensitivity": 2
         "geonorm_decay": 2}
 LABELS = {"norm_zoo": ["variant", "lr", "stage"],
           "geonorm_decay": ["schedule", "counter", "alpha", "stage"],
-          "seq_length": ["variant", "seq_len"], "update_balance": ["variant"],
+          "seq_length": ["variant", "seq_len"], "update_balance": ["variant", "lr"],
           "lr_tolerance": ["variant", "lr", "stage"], "depth_growth": ["phase", "variant", "depth"],
           "residual_step": ["variant", "dt"], "divergence_trials": ["variant", "weight_decay"],
           "lr_sensitivity": ["variant", "width", "lr", "stage"]}

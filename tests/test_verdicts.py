@@ -323,6 +323,30 @@ def test_update_balance_rule(ratios, expected):
       ratios["pre"])
 
 
+def test_update_balance_trains_each_placement_at_its_tuned_lr(tmp_path):
+  """By default every placement at the norm zoo's tuned LR for it (GeoNorm's 2e-3 is below
+  Pre-LN's 4e-3); --lr=X puts every variant at X, the shared-LR comparison. The LR labels the
+  run's row, and the table says which LR each variant trained at."""
+  balance = load("update_balance")
+
+  def lrs(*argv):
+    args = claims.parse_args(balance, [f"--root={tmp_path}", f"--out={tmp_path / 'out'}", *argv])
+    return {v.name: (v.overrides, dict(v.labels)["lr"]) for v in balance.grid(args, None)}
+
+  tuned = lrs()
+  assert {name: lr for name, (_, lr) in tuned.items()} == {"pre": 4e-3, "geonorm": 2e-3,
+                                                          "peri": 4e-3}
+  assert "lr=2e-3" in tuned["geonorm"][0].split(",")
+  shared = lrs("--lr=1e-3")
+  assert all(lr == 1e-3 and "lr=1e-3" in o.split(",") for o, lr in shared.values())
+  rows, curves = _balance({"pre": [6.5, 7.0, 7.4], "geonorm": [1.1, 0.9, 1.0]})
+  for r in rows:
+    r["lr"] = tuned[r["variant"]][1]
+  table = "\n".join(balance.summarize(rows, curves, config("update_balance")).table)
+  assert "| pre | 0.004 | 3 |" in table and "| geonorm | 0.002 | 3 |" in table
+  assert "Each variant at its tuned lr." in table
+
+
 def test_update_balance_contradicted_at_paper_scale():
   rows, curves = _balance({"pre": [0.97, 0.99, 0.98], "geonorm": [1.1, 0.9, 1.0]})
   assert load("update_balance").summarize(

@@ -15,9 +15,10 @@ coordinate's step by its own gradient scale, so it evens out what the gradients 
 Every placement trains at its own tuned peak LR (LRS below: the norm zoo's judge-scale
 table, results/norm_zoo/table.md): Pre-LN and Peri-LN at 4e-3, GeoNorm at 2e-3. A gradient
 ratio read from a run that has come apart measures the divergence, not the placement: at
-Pre-LN's 4e-3, GeoNorm's loss rose mid-run in 2 of 3 seeds (after step ~170 and ~490) while its
-first block's gradient norm grew 10^3-10^5-fold (results/update_balance_shared_lr). --lr=X
-trains every variant at X instead: the shared-LR comparison.
+Pre-LN's 4e-3, GeoNorm came apart in 2 of 3 seeds (one's loss jumped after step 410, the
+other's stayed near the unigram loss from step 90 to 1000) while its first block's gradient norm rose from about 0.3 to a median over the run of 491 and 3760 (the
+third seed: 0.22), the last block's staying near 0.1 (results/update_balance_shared_lr).
+--lr=X trains every variant at X instead: the shared-LR comparison.
 Judge scale: configs/judge.py (tiny model, 2000 steps x 16 x 128 characters of
 tinyshakespeare), layer statistics every 25 steps; 3 placements x 3 seeds = 9 runs, about
 9 x 3.8 = 34 minutes on this 2-core machine, two runs at once. --quick: 150 steps, one seed.

@@ -16,8 +16,9 @@ Every placement trains at its own tuned peak LR (LRS below: the norm zoo's judge
 table, results/norm_zoo/table.md): Pre-LN and Peri-LN at 4e-3, GeoNorm at 2e-3. A gradient
 ratio read from a run that has come apart measures the divergence, not the placement: at
 Pre-LN's 4e-3, GeoNorm came apart in 2 of 3 seeds (one's loss jumped after step 410, the
-other's stayed near the unigram loss from step 90 to 1000) while its first block's gradient norm rose from about 0.3 to a median over the run of 491 and 3760 (the
-third seed: 0.22), the last block's staying near 0.1 (results/update_balance_shared_lr).
+other's stayed near the unigram loss from step 90 to 1000) while its first block's gradient
+norm rose from about 0.3 to a median over the run of 491 and 3760 (the third seed: 0.22), the
+last block's staying near 0.1 (results/update_balance_shared_lr).
 --lr=X trains every variant at X instead: the shared-LR comparison.
 Judge scale: configs/judge.py (tiny model, 2000 steps x 16 x 128 characters of
 tinyshakespeare), layer statistics every 25 steps; 3 placements x 3 seeds = 9 runs, about
@@ -72,9 +73,12 @@ def add_arguments(parser):
 def grid(args, scale):
   del scale
   steps = claims.steps_overrides(150) if args.quick else ""
-  return [claims.variant(name, claims.join(overrides, f"lr={lr_of(args, name)}", steps),
-                         variant=name, lr=float(lr_of(args, name)))
-          for name, overrides in claims.variant_list(args)]
+  runs = []
+  for name, overrides in claims.variant_list(args):
+    lr = lr_of(args, name)
+    runs.append(claims.variant(name, claims.join(overrides, f"lr={lr}", steps), variant=name,
+                               lr=float(lr)))
+  return runs
 
 
 def lr_of(args, name):
@@ -149,8 +153,7 @@ def summarize(rows, curves, config):
            "loss |", "|---|---|---|---|---|---|---|"]
   for name, runs in by_variant.items():
     per_block = np.mean([layer_means(curves, r, "grad_norm/", _warmup(r)) for r in runs], 0)
-    lrs = sorted({f"{float(r.get('lr') or config['args']['lr']):g}" for r in runs
-                  if r.get("lr") or config["args"].get("lr")})
+    lrs = sorted({f"{float(r['lr']):g}" for r in runs if r.get("lr")})  # each run's label
     table.append(f"| {name} | {', '.join(lrs) or '-'} | {len(runs)} | "
                  f"{claims.cell(runs, 'grad_imbalance')} | {claims.cell(runs, 'imbalance')} | "
                  + ", ".join(f"{v:.2e}" for v in np.atleast_1d(per_block))

@@ -27,21 +27,25 @@ at L0):
   tolerance       the largest grid LR up to which, from the optimum upward, every L stays
                   within MARGIN = 0.05 nats of the optimum (lr_tolerance's margin), and its
                   ratio to the optimal LR: the "x-fold" tolerance SimpleGPT's claim needs.
+A grid counts once a run has finished at every one of its LRs (S is a mean over the grid):
+the table lists, and the verdict leaves out, the grids a stopped sweep left short, and a
+width without a complete grid of both deciding variants leaves the verdict unresolved.
 Seeds: the selection seed (100) first; --seeds=100,101 adds a second whole grid for the
 spread of S (its mean and min-max over seeds in the table).
 
 Variants: the GPT-2-backbone placements of the sweeps (pre, pre_qknorm, pre_qknorm_full,
 peri, peri_dt0.1, geonorm, post, deepnorm, ngpt, dyt) and SimpleGPT's comparison on the
 LLaMA backbone (pre_llama, simplenorm_llama, as in lr_tolerance). Judge scale: configs/judge.py.
-Cost on this 2-core machine (two runs at once): a full run is about 4 minutes at d = 128,
-about 1.3 at d = 64 and 0.5 at d = 32 (narrower runs have smaller steps; not yet measured
-here). Only runs whose loss climbs above its start give up early: one that stalls at the
-unigram loss (3.35, below the start's 5.5) runs to the end. So a variant costs up to
-13 x (4 + 1.3 + 0.5) = 75 minutes per seed over the three widths, less the runs the norm zoo
-and lr_tolerance already trained at d = 128 (4 to 10 of its 13); all 12 variants at one seed,
-up to 15 hours. Order if compute runs short: pre, pre_qknorm, pre_llama, simplenorm_llama,
-peri, post, geonorm, deepnorm, at d = 32 and 64 first (--widths=32,64: about a quarter of
-the cost).
+Cost on this 2-core machine, measured with two runs at once: a full run takes about 8
+minutes at d = 128, 5.3 at d = 64 and 3.3 at d = 32, so a sweep spends about 4, 2.7 and 1.7
+minutes a run (a narrow run is mostly per-step overhead: d = 32 has 1/16 of d = 128's weight-matrix
+FLOPs and a third of its step time). Only runs whose loss climbs above its start give up early:
+one that stalls at the unigram loss (3.35, below the start's 5.5) runs to the end (pre_llama
+at lr 1.024, d = 32, did). So a variant costs up to 13 x (4 + 2.7 + 1.7) = 110 minutes per
+seed over the three widths, less the runs the norm zoo and lr_tolerance already trained at
+d = 128 (4 to 10 of its 13); all 12 variants at one seed, up to 22 hours. Order if compute
+runs short: pre, pre_qknorm, pre_llama, simplenorm_llama, peri, post, geonorm, deepnorm, at
+d = 32 and 64 first (--widths=32,64: about half the cost).
 --quick: widths 32, two LRs, 60 steps, one seed: a smoke run, not a verdict. Paper scale
 (an accelerator job): GPT-2 124M's recipe (configs/gpt2.py, 20k steps) at widths 768, 1024
 and 1536 (head dimension 64) on a factor-2 grid from 7.5e-5 to 0.31 around its lr 6e-4.
@@ -200,6 +204,30 @@ def by_grid(rows, curves):
               else float("nan")) for k, (lrs, losses, initials) in out.items()}
 
 
+def swept(config):
+  """(widths, LRs) the results folder's command asked for: its --widths and --lrs or the
+  scale's defaults (--quick's cut grid is in its args)."""
+  args, scale = config["args"], config["scale"]
+  widths = [int(w) for w in str(args.get("widths") or WIDTHS[scale]).split(",")]
+  lrs = [float(x) for x in str(args.get("lrs") or SWEPT_LRS[scale]).split(",")]
+  return widths, lrs
+
+
+def complete(grids, lrs):
+  """(the grids with a finished run at every LR of `lrs`, {key: how many of them the others
+  have}): S is a mean over the grid, so a grid that a stopped sweep left short is not S."""
+  def has(grid_lrs, lr):
+    return any(math.isclose(lr, x, rel_tol=1e-6) for x in grid_lrs)
+  full, short = {}, {}
+  for key, grid in grids.items():
+    present = sum(has(grid[0], lr) for lr in lrs)
+    if present == len(lrs):
+      full[key] = grid
+    else:
+      short[key] = present
+  return full, short
+
+
 def cells_of(grids):
   """{(variant, width): {seed: (S, Optimum, optimal lr, largest lr within MARGIN)}} of
   by_grid's grids: what the table, the verdict and stability.ipynb read."""
@@ -212,9 +240,9 @@ def cells_of(grids):
 
 
 def summarize(rows, curves, config):
-  grids = by_grid(rows, curves)
+  widths, lrs = swept(config)
+  grids, short = complete(by_grid(rows, curves), lrs)
   cells = cells_of(grids)
-  widths = sorted({w for _, w in cells})
   table = ["| variant | width | seeds | LR sensitivity (nats) | min-max | optimal lr | "
            f"largest lr within {MARGIN} | x-fold |", "|---|---|---|---|---|---|---|---|"]
   for (name, width), by_seed in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -228,13 +256,18 @@ def summarize(rows, curves, config):
   table += ["", f"LR sensitivity: mean over the LR grid of the final validation loss capped at "
             "the loss at initialisation, minus the grid's best (Wortsman et al. 2023). Optimal lr, "
             "tolerance and x-fold from the lowest seed's grid (the selection seed). Grid: "
-            f"{config['args'].get('lrs') or LRS}."]
+            f"{','.join(f'{lr:g}' for lr in lrs)}."]
+  if short:
+    table += ["", "Not counted, grids that the sweep has not finished (finished LRs of "
+              f"{len(lrs)}): " + ", ".join(f"{name} d={width} seed {seed} ({n})" for
+                                           (name, width, seed), n in sorted(short.items())) + "."]
   holds, diffs = verdict_of(cells, widths)
   result = "; ".join(f"simplenorm_llama - pre_llama at d={w}: {d.describe()}"
                      for w, d in diffs.items()) or "the deciding variants have no grids yet"
+  drawn = sorted({w for _, w in cells})
   figures = {
-      "loss_vs_lr.png": lambda fig: plot_grids(fig, grids, widths),
-      "sensitivity_vs_width.png": lambda fig: plot_sensitivity(fig, cells)}
+      "loss_vs_lr.png": lambda fig: plot_grids(fig, grids, drawn),
+      "sensitivity_vs_width.png": lambda fig: plot_sensitivity(fig, cells)} if cells else {}
   return claims.Summary(table, claims.verdict(config, holds), result, figures)
 
 

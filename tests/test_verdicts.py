@@ -517,6 +517,8 @@ def _sweep(grids, widths=(32, 64), seeds=(100, 101)):
   return rows, curves
 
 
+SENSITIVITY_CONFIG = config("lr_sensitivity", lrs=",".join(f"{lr:g}" for lr in SWEEP_LRS),
+                            widths="32,64")
 FLAT = [1.60, 1.50, 1.52, 1.56, 1.70]  # low sensitivity, optimum 4e-3 (interior)
 STEEP = [1.70, 1.50, 2.50, NAN, NAN]  # high sensitivity, optimum 4e-3
 
@@ -533,7 +535,7 @@ STEEP = [1.70, 1.50, 2.50, NAN, NAN]  # high sensitivity, optimum 4e-3
 def test_lr_sensitivity_rule(grids, seeds, expected, edge):
   experiment = load("lr_sensitivity")
   rows, curves = _sweep(grids, seeds=seeds)
-  summary = experiment.summarize(rows, curves, config("lr_sensitivity"))
+  summary = experiment.summarize(rows, curves, SENSITIVITY_CONFIG)
   assert summary.verdict == expected, summary.result
   table = "\n".join(summary.table)
   # FLAT's losses are all finite and below L0, so a shift per seed cancels in S.
@@ -541,6 +543,30 @@ def test_lr_sensitivity_rule(grids, seeds, expected, edge):
   assert all(f"| {name} | 32 | {len(seeds)} | {experiment.sensitivity(FLAT, L0):.3f}" in table
              for name in flat)
   assert ("(edge)" in table) == edge
+
+
+def test_lr_sensitivity_counts_only_grids_the_sweep_finished():
+  """A stopped sweep leaves grids short: S over part of a grid is not S, so such a grid is
+  listed and not counted, and a width without complete grids leaves the verdict unresolved."""
+  experiment = load("lr_sensitivity")
+  rows, curves = _sweep({"pre_llama": STEEP, "simplenorm_llama": FLAT}, seeds=(100, 101, 102))
+  assert experiment.summarize(rows, curves, SENSITIVITY_CONFIG).verdict == "reproduced"
+  # pre_llama at d = 64, seed 101 stopped after its first two LRs.
+  short = [r for r in rows if not (r["variant"] == "pre_llama" and r["width"] == 64
+                                   and r["seed"] == 101 and r["lr"] > 4e-3)]
+  table = "\n".join(experiment.summarize(short, curves, SENSITIVITY_CONFIG).table)
+  assert "pre_llama d=64 seed 101 (2)" in table
+  assert "| pre_llama | 64 | 2 |" in table  # the two complete seeds only
+  # Every d = 64 grid stopped short: d = 32 alone decides nothing.
+  only_32 = [r for r in rows if r["width"] == 32 or r["lr"] <= 4e-3]
+  summary = experiment.summarize(only_32, curves, SENSITIVITY_CONFIG)
+  assert summary.verdict == "unresolved", summary.result
+  assert "| pre_llama | 64 |" not in "\n".join(summary.table)
+  # A grid the command did not ask for (--lrs of 6 values) is short everywhere: no cells.
+  wider = config("lr_sensitivity", lrs="5e-4," + ",".join(f"{lr:g}" for lr in SWEEP_LRS),
+                 widths="32,64")
+  summary = experiment.summarize(rows, curves, wider)
+  assert summary.verdict == "unresolved" and not summary.figures
 
 
 # ---------------------------------------------------------------------------
@@ -560,7 +586,7 @@ def _reproduced_cases():
       "depth_growth": (depth_rows, depth_curves, {}),
       "lr_tolerance": (_tolerance_rows({"pre": PRE, "simplenorm": _simplenorm(6)}), [], {}),
       "lr_sensitivity": (*_sweep({"pre_llama": STEEP, "simplenorm_llama": FLAT},
-                                 seeds=(100, 101, 102)), {}),
+                                 seeds=(100, 101, 102)), SENSITIVITY_CONFIG["args"]),
   }
 
 

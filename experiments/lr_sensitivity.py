@@ -38,14 +38,14 @@ peri, peri_dt0.1, geonorm, post, deepnorm, ngpt, dyt) and SimpleGPT's comparison
 LLaMA backbone (pre_llama, simplenorm_llama, as in lr_tolerance). Judge scale: configs/judge.py.
 Cost on this 2-core machine, measured with two runs at once: a full run takes about 8
 minutes at d = 128, 5.3 at d = 64 and 3.3 at d = 32, so a sweep spends about 4, 2.7 and 1.7
-minutes a run (a narrow run is mostly per-step overhead: d = 32 has 1/16 of d = 128's weight-matrix
-FLOPs and a third of its step time). Only runs whose loss climbs above its start give up early:
-one that stalls at the unigram loss (3.35, below the start's 5.5) runs to the end (pre_llama
-at lr 1.024, d = 32, did). So a variant costs up to 13 x (4 + 2.7 + 1.7) = 110 minutes per
-seed over the three widths, less the runs the norm zoo and lr_tolerance already trained at
-d = 128 (4 to 10 of its 13); all 12 variants at one seed, up to 22 hours. Order if compute
-runs short: pre, pre_qknorm, pre_llama, simplenorm_llama, peri, post, geonorm, deepnorm, at
-d = 32 and 64 first (--widths=32,64: about half the cost).
+minutes a run (a narrow run is mostly per-step overhead: d = 32 has 1/16 of d = 128's
+weight-matrix FLOPs and a third of its step time). Only runs whose loss climbs above its
+start give up early: one that stalls at the unigram loss (3.35, below the start's 5.5) runs
+to the end (pre_llama at lr 1.024, d = 32, did). So a variant costs up to
+13 x (4 + 2.7 + 1.7) = 110 minutes per seed over the three widths, less the runs the norm zoo
+and lr_tolerance already trained at d = 128 (4 to 10 of its 13); all 12 variants at one seed,
+up to 22 hours. Order if compute runs short: pre, pre_qknorm, pre_llama, simplenorm_llama,
+peri, post, geonorm, deepnorm, at d = 32 and 64 first (--widths=32,64: about half the cost).
 --quick: widths 32, two LRs, 60 steps, one seed: a smoke run, not a verdict. Paper scale
 (an accelerator job): GPT-2 124M's recipe (configs/gpt2.py, 20k steps) at widths 768, 1024
 and 1536 (head dimension 64) on a factor-2 grid from 7.5e-5 to 0.31 around its lr 6e-4.

@@ -60,6 +60,7 @@ or whenever a deciding optimum is on its grid's edge.
 import math
 import os
 import sys
+import types
 
 import numpy as np
 
@@ -208,7 +209,7 @@ def swept(config):
   """(widths, LRs) the results folder's command asked for: its --widths and --lrs or the
   scale's defaults (--quick's cut grid is in its args)."""
   args, scale = config["args"], config["scale"]
-  widths = [int(w) for w in str(args.get("widths") or WIDTHS[scale]).split(",")]
+  widths = _widths(types.SimpleNamespace(widths=args.get("widths"), scale=scale))
   lrs = [float(x) for x in str(args.get("lrs") or SWEPT_LRS[scale]).split(",")]
   return widths, lrs
 

@@ -60,7 +60,6 @@ or whenever a deciding optimum is on its grid's edge.
 import math
 import os
 import sys
-import types
 
 import numpy as np
 
@@ -133,13 +132,15 @@ def variant_overrides(name, scale):
   return LLAMA_VARIANTS[name][scale] if name in LLAMA_VARIANTS else sweep.variant_overrides(name)
 
 
-def _widths(args):
-  text = args.widths or WIDTHS[args.scale]
+def _widths(text, scale):
+  """The d_model values of a --widths comma list (None: the scale's), each checked against
+  the head dimension."""
+  text = text or WIDTHS[scale]
   try:
     widths = [int(w) for w in text.split(",")]
   except ValueError:
     raise SystemExit(f"--widths: {text!r} is not a comma list of integers") from None
-  head_dim = HEAD_DIM[args.scale]
+  head_dim = HEAD_DIM[scale]
   bad = [w for w in widths if w <= 0 or w % head_dim]
   if bad:
     raise SystemExit(f"--widths: {bad} are not positive multiples of the head dimension {head_dim}")
@@ -158,7 +159,7 @@ def grid(args, scale):
                                      width_overrides(name, width, args.scale),
                                      f"give_up_steps={GIVE_UP_STEPS}", steps),
                          variant=name, width=width)
-          for width in _widths(args) for name in names]
+          for width in _widths(args.widths, args.scale) for name in names]
 
 
 def initial_loss(curves, name):
@@ -209,9 +210,7 @@ def swept(config):
   """(widths, LRs) the results folder's command asked for: its --widths and --lrs or the
   scale's defaults (--quick's cut grid is in its args)."""
   args, scale = config["args"], config["scale"]
-  widths = _widths(types.SimpleNamespace(widths=args.get("widths"), scale=scale))
-  lrs = [float(x) for x in str(args.get("lrs") or SWEPT_LRS[scale]).split(",")]
-  return widths, lrs
+  return _widths(args.get("widths"), scale), claims.parse_lrs(args.get("lrs") or SWEPT_LRS[scale])
 
 
 def complete(grids, lrs):

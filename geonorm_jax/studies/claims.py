@@ -244,9 +244,13 @@ def make_runs(experiment, args):
 
 def starting_lrs(experiment, args):
   lrs = getattr(experiment, "TUNED_LRS", None) or experiment.SWEPT_LRS
-  text = args.lrs or lrs[args.scale]
+  return parse_lrs(args.lrs or lrs[args.scale])
+
+
+def parse_lrs(text):
+  """The sorted distinct LRs of an --lrs comma list (or a scale's default grid)."""
   try:
-    return sorted({float(lr) for lr in text.split(",")})
+    return sorted({float(lr) for lr in str(text).split(",")})
   except ValueError:
     raise SystemExit(f"--lrs: {text!r} is not a comma list of numbers") from None
 

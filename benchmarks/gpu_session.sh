@@ -7,6 +7,11 @@
 #                                                     # (PYTHON=... picks the interpreter)
 #                                                     # there: installs wheels/ into a scratch
 #                                                     # site, prints the GPU, runs the benchmark
+#   bash benchmarks/gpu_session.sh claims OUT_DIR SECONDS 'EXPERIMENT FLAGS' ...
+#                                                     # there: claim experiments side by side,
+#                                                     # each stopped after SECONDS, their
+#                                                     # finished runs collected (--report_only)
+#                                                     # and results/<claim>/ packed into OUT_DIR
 #
 # The GPU machine keeps its own jax/jaxlib (and CUDA plugin); the wheels bring the rest of the
 # stack. flax 0.12.8 fails to import under jax >= 0.11 (jax.experimental.hijax lost
@@ -17,6 +22,15 @@ WHEELS=(flax==0.12.12 optax==0.2.8 orbax-checkpoint==0.12.8 grain==0.2.18 array_
         ml_collections==1.1.0 portpicker==1.6.0 tensorboardX==2.6.5 tensorstore==0.1.86
         treescope==0.1.10)
 
+install_wheels() {  # wheels/ (or .whl/, the device tool's carried folder) into a scratch site
+  local site
+  site="$(mktemp -d)"
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+      $(ls wheels/*.whl 2>/dev/null || ls .whl/*.whl)
+  export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
+}
+
+py="${PYTHON:-python3}"
 case "${1:-}" in
   prepare)
     dest="${2:?usage: prepare DEST}"
@@ -31,17 +45,42 @@ case "${1:-}" in
   run)
     out="${2:?usage: run OUT_DIR [flags]}"
     shift 2
-    py="${PYTHON:-python3}"
-    site="$(mktemp -d)"
     mkdir -p "$out"
-    "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" wheels/*.whl
-    export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1
+    install_wheels
     nvidia-smi || true
     "$py" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
     "$py" benchmarks/bench_accelerator.py --out_dir="$out" "$@" 2>&1 | tee "$out/bench_log.txt"
     ;;
+  claims)
+    out="${2:?usage: claims OUT_DIR SECONDS 'EXPERIMENT FLAGS' ...}"
+    seconds="${3:?usage: claims OUT_DIR SECONDS 'EXPERIMENT FLAGS' ...}"
+    shift 3
+    mkdir -p "$out"
+    install_wheels
+    # Many small runs share the one GPU: each process takes memory as it needs it, and float32
+    # matmuls stay float32 (no TF32), as on the CPU where the judge scale's LRs were tuned.
+    export XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_DEFAULT_MATMUL_PRECISION=highest
+    "$py" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
+    pids=()
+    for command in "$@"; do
+      name="$(basename "${command%% *}" .py)"
+      timeout -s INT "$seconds" "$py" $command >"$out/$name.log" 2>&1 &
+      pids+=($!)
+    done
+    wait "${pids[@]}" || true
+    pkill -f "geonorm_jax train" || true  # the runs a stopped experiment left going
+    sleep 2
+    folders=()
+    for command in "$@"; do
+      name="$(basename "${command%% *}" .py)"
+      "$py" $command --report_only >>"$out/$name.log" 2>&1 || true
+      folders+=("results/$name")
+    done
+    find runs/claims -name train.log | tar -czf "$out/claims_results.tar.gz" "${folders[@]}" -T -
+    ls -la "$out"
+    ;;
   *)
-    sed -n '2,13p' "$0"
+    sed -n '2,18p' "$0"
     exit 2
     ;;
 esac

@@ -64,12 +64,16 @@ case "${1:-}" in
     pids=()
     for command in "$@"; do
       name="$(basename "${command%% *}" .py)"
+      # timeout leads a process group of its own (the experiment and the runs it starts) and
+      # signals the whole group, so the runs stop with their checkpoints written.
       timeout -s INT "$seconds" "$py" $command >"$out/$name.log" 2>&1 &
       pids+=($!)
     done
     wait "${pids[@]}" || true
-    pkill -f "geonorm_jax train" || true  # the runs a stopped experiment left going
-    sleep 2
+    sleep 5
+    for pid in "${pids[@]}"; do  # any run of that group still going; nothing else on the machine
+      kill -- "-$pid" 2>/dev/null || true
+    done
     folders=()
     for command in "$@"; do
       name="$(basename "${command%% *}" .py)"

@@ -12,7 +12,7 @@ run's warmup.
 The update-to-parameter ratio ||Delta W|| / ||W|| of the same blocks (update_ratio/layer_XX,
 the optimizer's step) is reported beside it and decides nothing: AdamW divides each
 coordinate's step by its own gradient scale, so it evens out what the gradients do not.
-Every placement trains at its own tuned peak LR (LRS below: the norm zoo's judge-scale
+Every placement trains at its own tuned peak LR (claims.ZOO_LRS: the norm zoo's judge-scale
 table, results/norm_zoo/table.md): Pre-LN and Peri-LN at 4e-3, GeoNorm at 2e-3. A gradient
 ratio read from a run that has come apart measures the divergence, not the placement: at
 Pre-LN's 4e-3, GeoNorm came apart in 2 of 3 seeds (one's loss jumped after step 410, the
@@ -47,9 +47,6 @@ from geonorm_jax.studies import claims, stats  # pylint: disable=g-import-not-at
 NAME = "update_balance"
 CLAIM = "Pre-LN gives lower layers larger gradients than upper ones (GeoNorm's motivation)"
 PAPER_NUMBER = "qualitative (GeoNorm paper's motivation)"
-# Each placement's tuned peak LR (judge: results/norm_zoo/table.md); None: any other.
-LRS = {"judge": {"pre": "4e-3", "peri": "4e-3", "geonorm": "2e-3", None: "4e-3"},
-       "paper": {None: "6e-4"}}
 MARGIN = 1.25  # first/last gradient norm ratios within [1/MARGIN, MARGIN] count as balanced
 SCALES = {
     "judge": claims.Scale("configs/judge.py", "layer_stats_every=25", "0,1,2",
@@ -67,7 +64,7 @@ CURVES = (("train", "loss"), ("train", "grad_norm/layer_"), ("train", "update_ra
 def add_arguments(parser):
   claims.add_variants_argument(parser, ("pre", "geonorm", "peri"))
   parser.add_argument("--lr", default=None, help="peak LR of every variant (the shared-LR "
-                      "comparison); default each variant's LRS[scale]")
+                      "comparison); default each variant's claims.ZOO_LRS[scale]")
 
 
 def grid(args, scale):
@@ -75,17 +72,10 @@ def grid(args, scale):
   steps = claims.steps_overrides(150) if args.quick else ""
   runs = []
   for name, overrides in claims.variant_list(args):
-    lr = lr_of(args, name)
+    lr = claims.zoo_lr(args, name)
     runs.append(claims.variant(name, claims.join(overrides, f"lr={lr}", steps), variant=name,
                                lr=float(lr)))
   return runs
-
-
-def lr_of(args, name):
-  if args.lr:
-    return args.lr
-  lrs = LRS[args.scale]
-  return lrs.get(name, lrs[None])
 
 
 def row_extra(run, workdir_config):

@@ -94,6 +94,21 @@ class Knob:
 
 LR_KNOB = Knob("lr", "lr", "LR")
 
+# Each placement's tuned peak LR (judge: results/norm_zoo/table.md, its selection seed), for
+# the experiments that train placements at their own best LR without a grid of their own;
+# None: any other placement. `--lr=X` of such an experiment is the shared-LR comparison.
+ZOO_LRS = {"judge": {"pre": "4e-3", "post": "4e-3", "peri": "4e-3", "geonorm": "2e-3",
+                     None: "4e-3"},
+           "paper": {None: "6e-4"}}
+
+
+def zoo_lr(args, name):
+  """--lr when given (every variant at it), else the variant's ZOO_LRS at --scale."""
+  if args.lr:
+    return args.lr
+  lrs = ZOO_LRS[args.scale]
+  return lrs.get(name, lrs[None])
+
 
 def variant(name, overrides, **labels):
   return Variant(name, overrides, tuple(labels.items()))

@@ -1,7 +1,7 @@
 """Sequence length: does Post-LN spike or collapse at long sequences while GeoNorm stays stable?
 
   python experiments/seq_length.py [--scale=judge|paper] [--seeds=0,1,2,3,4] [--quick]
-      [--variants=post,geonorm] [--seq_lens=128,256,512] [--spike_zscore=6] [--lr=2e-3]
+      [--variants=post,geonorm] [--seq_lens=128,256,512] [--spike_zscore=6] [--lr=4e-3]
       [--print]
 
 The tokens per step stay fixed (batch x seq_len), so each length sees the same token budget.
@@ -9,14 +9,16 @@ A spike (training/spikes.py, every step): the train loss or the gradient norm mo
 spike_zscore standard deviations above its mean over the previous 128 finite steps (judged
 once train.spike_warmup = 64 are known), the rule of OLMo-core and llm.c. A non-finite step is
 skipped (train.on_divergence=skip) and counted apart. A run is unstable with a spike or a
-non-finite step. Every run trains at one stated peak LR (LR below, --lr): the
-norm zoo's tuned LR for the base placement, Post-LN, 4e-3 at the judge scale (length 128:
-results/norm_zoo/table.md); GeoNorm's is 2e-3, its selection loss at 4e-3 0.006 above.
+non-finite step. Every placement trains at its own tuned peak LR (claims.ZOO_LRS, the norm
+zoo's judge-scale optima at length 128: Post-LN 4e-3, GeoNorm 2e-3, Pre-LN 4e-3), so a spike
+is not the price of a borrowed LR (at Pre-LN's 4e-3 GeoNorm came apart in 2 of 3 seeds of
+update_balance); --lr=X trains every run at X instead, the shared-LR comparison.
 Judge scale: configs/judge.py (tiny model, 2000 steps x 2048 tokens of tinyshakespeare),
-lengths 128/256/512 (the longest whose attention this machine trains in minutes): 2
-placements x 3 lengths x 5 seeds = 30 runs, about 30 x 3.8 = 115 minutes on this 2-core
-machine, two runs at once, more at 512 where attention costs 4x that at 128; --variants=pre,
-post,geonorm adds Pre-LN's 15 runs for reference. --quick: the longest length only, one seed,
+lengths 128/256/512: 2 placements x 3 lengths x 5 seeds = 30 runs. Measured at 512 on this
+2-core machine, two runs at once: 10 runs in 66 minutes (a run 13-14 minutes of wall time,
+6.6 minutes of the sweep's); 128 and 256 keep the tokens per step, so expect about the same
+a run there: the whole grid about 200 minutes, the 20 shorter-length runs about 130.
+--variants=pre,post,geonorm adds Pre-LN's 15 runs for reference. --quick: the longest length only, one seed,
 150 steps. Paper scale: configs/geonorm_paper.py:125m at 512 to 4096, 0.5M tokens a step.
 Writes results/seq_length/{results.csv, curves.csv, table.md, config.json, verdict.json,
 spikes_vs_length.png, loss_curves_longest.png}.
@@ -42,18 +44,18 @@ CLAIM = "Post-LN spikes and collapses at long sequence length; GeoNorm stays sta
 PAPER_NUMBER = "runs up to sequence length 4096 (GeoNorm paper)"
 TOKENS_PER_STEP = {"judge": 2048, "paper": 524288}
 SEQ_LENS = {"judge": "128,256,512", "paper": "512,1024,2048,4096"}
-# The stated peak LR of every run: the norm zoo's tuned LR for Post-LN (results/norm_zoo).
-LR = {"judge": "4e-3", "paper": "6e-4"}
 POST_RATE = 0.5  # below this rate of unstable runs, Post-LN does not "spike" at this length
 ALPHA = 1 - stats.LEVEL
 SCALES = {
     "judge": claims.Scale("configs/judge.py", "", "0,1,2,3,4",
                           "judge scale: tiny model (4 blocks x 128, untied head), "
                           "character-level tinyshakespeare, 2000 steps x 2048 tokens, cosine "
-                          "to 0.1x (configs/judge.py); one stated LR."),
+                          "to 0.1x (configs/judge.py); each placement at its tuned LR "
+                          "(claims.ZOO_LRS) unless --lr."),
     "paper": claims.Scale("configs/geonorm_paper.py", "125m", "0,1,2,3,4",
                           "GeoNorm's 125M (12 x 768, RoPE, untied), 20k steps x 0.5M tokens "
-                          "(configs/geonorm_paper.py); one stated LR."),
+                          "(configs/geonorm_paper.py); each placement at its tuned LR "
+                          "(claims.ZOO_LRS) unless --lr."),
 }
 CURVES = (("train", "loss"), ("spikes", "loss_z"), ("spikes", "grad_norm_z"),
           ("events", "skipped"))
@@ -65,12 +67,12 @@ def add_arguments(parser):
                       "512,...,4096 (paper)")
   parser.add_argument("--spike_zscore", type=float, default=6.0,
                       help="train.spike_zscore of every run (OLMo-core's threshold)")
-  parser.add_argument("--lr", default=None, help="peak LR of every run; default LR[scale]")
+  parser.add_argument("--lr", default=None, help="peak LR of every run (the shared-LR "
+                      "comparison); default each variant's claims.ZOO_LRS[scale]")
 
 
 def grid(args, scale):
   del scale
-  args.lr = args.lr or LR[args.scale]
   lengths = [int(s) for s in (args.seq_lens or SEQ_LENS[args.scale]).split(",")]
   if args.quick:
     lengths = lengths[-1:]
@@ -78,6 +80,7 @@ def grid(args, scale):
   tokens = TOKENS_PER_STEP[args.scale]
   out = []
   for name, overrides in claims.variant_list(args):
+    lr = claims.zoo_lr(args, name)
     for length in lengths:
       if tokens % length:
         raise SystemExit(f"--seq_lens: {length} does not divide {tokens} tokens a step")
@@ -85,13 +88,17 @@ def grid(args, scale):
           f"{name}/seq{length}",
           claims.join(overrides, f"seq_len={length},max_seq_len={length},"
                       f"batch_size={tokens // length},spike_zscore={args.spike_zscore},"
-                      f"on_divergence=skip,lr={args.lr}", steps),
-          variant=name, seq_len=length))
+                      f"on_divergence=skip,lr={lr}", steps),
+          variant=name, seq_len=length, lr=float(lr)))
   return out
 
 
 def _unstable(run):
   return run["loss_spikes"] > 0 or run["skipped_steps"] > 0
+
+
+def _lrs(runs):
+  return ", ".join(sorted({f"{float(run['lr']):g}" for run in runs}))
 
 
 def _count(runs):
@@ -123,10 +130,11 @@ def verdict_of(at):
 
 def summarize(rows, curves, config):
   table = ["| variant | seq_len | seeds | spikes per run | runs with a spike or a "
-           "non-finite step | final validation loss |", "|---|---|---|---|---|---|"]
+           "non-finite step | lr | final validation loss |", "|---|---|---|---|---|---|---|"]
   for (name, length), runs in sorted(claims.group(rows, "variant", "seq_len").items()):
     table.append(f"| {name} | {length} | {len(runs)} | {claims.cell(runs, 'loss_spikes', 1)} | "
                  f"{sum(map(_unstable, runs))}/{len(runs)} | "
+                 f"{_lrs(runs)} | "
                  f"{claims.cell(runs, 'final_eval_loss')} |")
   zscore = config["args"]["spike_zscore"]
   longest = max(row["seq_len"] for row in rows)
@@ -134,7 +142,9 @@ def summarize(rows, curves, config):
         if length == longest}
   holds, support, refute = verdict_of(at)
   table += ["", f"A spike: train loss or gradient norm > {zscore:g} standard deviations above "
-            f"its mean over the previous 128 finite steps. lr {config['args'].get('lr')}."]
+            f"its mean over the previous 128 finite steps. "
+            + (f"Every run at lr {config['args']['lr']} (shared)." if config["args"].get("lr")
+               else "Each placement at its tuned lr (claims.ZOO_LRS).")]
   if support is not None:
     table += ["", f"At seq_len {longest} (one-sided exact tests): Post-LN unstable more often "
               f"than GeoNorm p = {support:.3g} (for the claim, <= {ALPHA:g}); "

@@ -253,7 +253,7 @@ def _seq_rows(unstable, seeds=5):
   for name, k in unstable.items():
     for length in (128, 512):
       for seed in range(seeds):
-        r = row(f"{name}/seq{length}", seed, 1.7, variant=name, seq_len=length)
+        r = row(f"{name}/seq{length}", seed, 1.7, variant=name, seq_len=length, lr=2e-3)
         if length == 512 and seed < k:
           r["loss_spikes" if seed % 2 else "skipped_steps"] = 2
         rows.append(r)
@@ -272,7 +272,7 @@ def _seq_rows(unstable, seeds=5):
 def test_seq_length_rule(unstable, seeds, expected):
   seq = load("seq_length")
   summary = seq.summarize(_seq_rows(unstable, seeds), [],
-                          config("seq_length", spike_zscore=6.0, lr="2e-3"))
+                          config("seq_length", spike_zscore=6.0, lr=None))
   assert summary.verdict == expected, summary.result
 
 

@@ -162,22 +162,6 @@ def grid(args, scale):
           for width in _widths(args.widths, args.scale) for name in names]
 
 
-def initial_loss(curves, name):
-  """L0: the run's first logged train loss (NaN without one)."""
-  _, losses = claims.curve(curves, name, "loss")
-  return float(losses[0]) if len(losses) else float("nan")
-
-
-def sensitivity(losses, initial):
-  """Wortsman et al.'s LR sensitivity of one grid: mean of min(L, L0) minus min L, a
-  non-finite L counted at L0; NaN when no loss is finite or L0 is unknown."""
-  y = np.asarray(losses, float)
-  if not math.isfinite(initial) or not np.isfinite(y).any():
-    return float("nan")
-  capped = np.where(np.isfinite(y), np.minimum(y, initial), initial)
-  return float(capped.mean() - capped.min())
-
-
 def tolerance(lrs, losses, margin=MARGIN):
   """(optimal LR, largest LR within `margin` of the optimum going up from it without a gap)."""
   order = np.argsort(lrs)
@@ -201,7 +185,7 @@ def by_grid(rows, curves):
     lrs, losses, initials = out.setdefault(key, ([], [], []))
     lrs.append(row["lr"])
     losses.append(row["final_eval_loss"])
-    initials.append(initial_loss(curves, row["name"]))
+    initials.append(claims.initial_loss(curves, row["name"]))
   return {k: (lrs, losses, float(np.nanmax(initials)) if np.isfinite(initials).any()
               else float("nan")) for k, (lrs, losses, initials) in out.items()}
 
@@ -235,7 +219,8 @@ def cells_of(grids):
   for (name, width, seed), (lrs, losses, l0) in grids.items():
     optimum = claims.grid_optimum(lrs, losses)
     best, top = tolerance(lrs, losses)
-    cells.setdefault((name, width), {})[seed] = (sensitivity(losses, l0), optimum, best, top)
+    cells.setdefault((name, width), {})[seed] = (claims.lr_sensitivity(losses, l0), optimum, best,
+                                                   top)
   return cells
 
 

@@ -138,6 +138,23 @@ def selection(rows):
   return out
 
 
+def sensitivities(rows, curves):
+  """{variant: Wortsman et al.'s LR sensitivity of its selection-seed grid}, over the LRs
+  every variant's grid has (an extended grid would otherwise weigh in), with L0 the largest
+  first train loss of the variant's grid runs (lr_sensitivity's reading of the same runs)."""
+  grids, initials = selection(rows), {}
+  for row in rows:
+    if row.get("stage") == "select":
+      initials.setdefault(row["variant"], []).append(claims.initial_loss(curves, row["name"]))
+  shared = sorted(set.intersection(*(set(g) for g in grids.values()))) if grids else []
+  out = {}
+  for name, losses in grids.items():
+    l0 = np.asarray(initials[name])
+    out[name] = claims.lr_sensitivity([losses[lr] for lr in shared],
+                                      float(np.nanmax(l0)) if np.isfinite(l0).any() else math.nan)
+  return out, shared
+
+
 def finals(rows):
   return {name: runs for (name,), runs in claims.group(
       [r for r in rows if r.get("stage") == "final"], "variant").items()}
@@ -211,13 +228,13 @@ def verdict_of(rows):
 
 
 def summarize(rows, curves, config):
-  del curves
   holds, tol, ratios, edge = verdict_of(rows)
   grids, final = selection(rows), finals(rows)
   sigma, df = seed_noise(final)
+  sens, shared = sensitivities(rows, curves)
   table = ["| variant | LR grid (selection seed): final validation loss | tuned lr | "
            "final seeds at the tuned lr | tolerance (largest lr within "
-           f"{MARGIN:g} nats) |", "|---|---|---|---|---|"]
+           f"{MARGIN:g} nats) | LR sensitivity (nats) |", "|---|---|---|---|---|---|"]
   for name, losses in grids.items():
     t = tol[name]
     tuned = ("-" if t.optimum.x is None else f"{t.optimum.x:g}"
@@ -225,13 +242,16 @@ def summarize(rows, curves, config):
     runs = final.get(name, [])
     table.append(f"| {name} | " + ", ".join(f"{lr:g}: {losses[lr]:.3f}" for lr in sorted(losses))
                  + f" | {tuned} | {claims.cell(runs, 'final_eval_loss') if runs else '-'} | "
-                 f"{t.describe()} |")
+                 f"{t.describe()} | {sens[name]:.3f} |".replace("| nan |", "| - |"))
   half = next(iter(tol.values())).half_width if tol else math.inf
   table += ["", f"Tolerance: the largest grid LR up to which every grid LR above the tuned one "
             f"has a final loss within {MARGIN:g} nats of the tuned one's, on the selection seed; "
             f"a range where seed noise leaves a grid LR undecided (+- {half:.3f} nats: 95% t "
             f"half-width of a difference of two runs, from the final seeds' pooled std "
-            f"{sigma:.4f}, df {df})."]
+            f"{sigma:.4f}, df {df}). LR sensitivity (Wortsman et al. 2023, as in "
+            f"experiments/lr_sensitivity.py): the mean over the LRs every grid here has "
+            f"({', '.join(f'{lr:g}' for lr in shared)}) of the final loss capped at the loss at "
+            f"initialisation, minus their best; selection seed only."]
   result = ("tolerance: " + ", ".join(f"{n} {t.describe()}" for n, t in tol.items()) if tol
             else "no LR-grid (selection-seed) runs in these results")
   if ratios is not None:

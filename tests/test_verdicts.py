@@ -475,6 +475,27 @@ def test_lr_tolerance_needs_the_spread_of_the_final_seeds():
   assert summary.verdict == "unresolved" and "No spread" in summary.result
 
 
+def test_lr_tolerance_reads_the_lr_sensitivity_over_the_shared_grid():
+  tolerance = load("lr_tolerance")
+  pre, simplenorm = _simplenorm(6), PRE[:8] + [9.0, NAN]  # beyond L0 = 5.5 and non-finite
+  rows = _tolerance_rows({"pre": pre, "simplenorm": simplenorm})
+  # SimpleNorm's grid extended below (5e-4): not a grid Pre-LN has, so it must not count.
+  deciding = tolerance.DECIDING
+  rows.append(row(f"{deciding[1]}/lr0.0005", 100, 1.0, variant=deciding[1], lr=5e-4,
+                  stage="select"))
+  curves = [{"name": r["name"], "split": "train", "key": "loss", "step": 1, "value": 5.5}
+            for r in rows if r["stage"] == "select"]
+  table = "\n".join(tolerance.summarize(rows, curves, config("lr_tolerance")).table)
+  capped = np.minimum(np.nan_to_num(simplenorm, nan=5.5), 5.5)
+  by_hand = {deciding[0]: np.mean(pre) - min(pre), deciding[1]: capped.mean() - capped.min()}
+  for name, s in by_hand.items():
+    line = next(l for l in table.splitlines() if l.startswith(f"| {name} |"))
+    assert line.endswith(f"| {s:.3f} |"), line
+  # Without the curves there is no loss at initialisation: no number.
+  table = "\n".join(tolerance.summarize(rows, [], config("lr_tolerance")).table)
+  assert f"| {deciding[0]} |" in table and table.count("| - |") == 2
+
+
 def test_lr_tolerance_contradicted_at_paper_scale():
   rows = _tolerance_rows({"pre": PRE, "simplenorm": _simplenorm(4)})
   assert load("lr_tolerance").summarize(rows, [], config("lr_tolerance", "paper")).verdict == \
@@ -492,9 +513,10 @@ L0 = 5.5  # the constructed runs' loss at initialisation
 def test_lr_sensitivity_is_the_mean_capped_loss_above_the_best():
   sensitivity = load("lr_sensitivity")
   # Capped at L0 = 5: [2.0, 1.5, 3.0, 5.0 (7.0 capped), 5.0 (NaN counts at L0)].
-  got = sensitivity.sensitivity([2.0, 1.5, 3.0, 7.0, NAN], 5.0)
+  got = claims.lr_sensitivity([2.0, 1.5, 3.0, 7.0, NAN], 5.0)
   assert got == pytest.approx((2.0 + 1.5 + 3.0 + 5.0 + 5.0) / 5 - 1.5)
-  assert sensitivity.sensitivity([NAN, NAN], 5.0) != sensitivity.sensitivity([NAN, NAN], 5.0)
+  assert math.isnan(claims.lr_sensitivity([NAN, NAN], 5.0))
+  assert math.isnan(claims.lr_sensitivity([2.0, 1.5], NAN))
   # From the optimum (4e-3) upward while within 0.05: 1.6e-2 (+0.04) yes, 6.4e-2 (+0.2) no;
   # 1e-3 is within too but lies below the optimum, which does not count.
   assert sensitivity.tolerance(SWEEP_LRS, [1.52, 1.50, 1.54, 1.70, 1.52]) == (4e-3, 1.6e-2)
@@ -540,7 +562,7 @@ def test_lr_sensitivity_rule(grids, seeds, expected, edge):
   table = "\n".join(summary.table)
   # FLAT's losses are all finite and below L0, so a shift per seed cancels in S.
   flat = [name for name, losses in grids.items() if losses == FLAT]
-  assert all(f"| {name} | 32 | {len(seeds)} | {experiment.sensitivity(FLAT, L0):.3f}" in table
+  assert all(f"| {name} | 32 | {len(seeds)} | {claims.lr_sensitivity(FLAT, L0):.3f}" in table
              for name in flat)
   assert ("(edge)" in table) == edge
 

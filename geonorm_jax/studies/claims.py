@@ -578,6 +578,23 @@ def grid_optimum(xs, losses):
   return Optimum(xs[best], float(y[best]), len(xs) < 3 or best in (0, len(xs) - 1), tuple(xs))
 
 
+def initial_loss(curves, name):
+  """L0: a run's first logged train loss (NaN without one)."""
+  _, losses = curve(curves, name, "loss")
+  return float(losses[0]) if len(losses) else float("nan")
+
+
+def lr_sensitivity(losses, initial):
+  """Wortsman et al.'s (arXiv 2309.14322) LR sensitivity of one LR grid's final losses: the
+  mean of min(L, L0) minus the min of L, a non-finite L counted at L0 (the loss at
+  initialisation); NaN when no loss is finite or L0 is unknown. It depends on the grid."""
+  y = np.asarray(losses, float)
+  if not math.isfinite(initial) or not np.isfinite(y).any():
+    return float("nan")
+  capped = np.where(np.isfinite(y), np.minimum(y, initial), initial)
+  return float(capped.mean() - capped.min())
+
+
 def tuned_variant(run_name):
   """'pre/lr0.002/seed100' -> 'pre': the variant a tuned run belongs to."""
   return run_name.rsplit("/lr", 1)[0]

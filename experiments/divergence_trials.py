@@ -139,12 +139,14 @@ def summarize(rows, curves, config):
   cells = counts(rows, curves)
   by_cell = claims.group(rows, "variant", "weight_decay")
   table = ["| variant | weight decay | runs diverged | 95% upper bound of the rate | "
-           "non-finite steps per run | final train loss |", "|---|---|---|---|---|---|"]
+           "non-finite steps per run | final train loss | final validation loss |",
+           "|---|---|---|---|---|---|---|"]
   for (name, wd), (k, n) in cells.items():
     runs = by_cell[(name, wd)]
     table.append(f"| {name} | {wd:g} | {k}/{n} | {upper_rate(k, n):.2f} | "
                  f"{claims.cell(runs, 'skipped_steps', 1)} | "
-                 f"{claims.cell(runs, 'final_train_loss')} |")
+                 f"{claims.cell(runs, 'final_train_loss')} | "
+                 f"{claims.cell(runs, 'final_eval_loss')} |")
   holds, support, refute = verdict_of(cells)
   lr = config["args"].get("lr")
   table += ["", f"lr {lr}. Diverged: a non-finite step, or the train loss above its step-1 "

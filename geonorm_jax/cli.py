@@ -28,6 +28,9 @@ Commands:
            (results/<claim>/, written by experiments/<claim>.py) from their files alone; a
            training run's folder gets RUN/mechanisms.png (max attention logit, attention
            entropy per layer, log Z over steps, from its metrics.jsonl).
+  compare  A B : two sets of runs from claim results folders (FOLDER:RUN, RUN a run name
+           without its /seedN), their final validation losses seed by seed and the paired
+           difference A - B with its 95% t interval (geonorm_jax/studies/compare.py).
   prepare  Your corpus (text, .jsonl, .parquet: --input) -> token shards in --output_dir
            (--tokenizer=byte|gpt2, --val_tokens); prints the config overrides to train on them.
   export   A checkpoint (--step, default the latest) as a Hugging Face `transformers`
@@ -43,6 +46,8 @@ Examples:
   python -m geonorm_jax replay --workdir=/tmp/tiny --from_step=150 --to_step=180 \\
       --config.train.skip_spikes=true
   python -m geonorm_jax main --workdir=runs/main
+  python -m geonorm_jax compare results/geonorm_decay:harmonic/blocks/lr0.002/alpha4 \\
+      results/norm_zoo:post/lr0.004
   python -m geonorm_jax prepare --input='corpus/*.jsonl' --output_dir=data/my_corpus
   python -m geonorm_jax export --workdir=/tmp/tiny --out=/tmp/tiny_hf
 
@@ -63,8 +68,8 @@ from ml_collections import config_flags
 
 from geonorm_jax.data import prepare  # defines the prepare command's flags
 
-COMMANDS = ("train", "eval", "sample", "hessian", "main", "prepare", "report", "export",
-            "replay")
+COMMANDS = ("train", "eval", "sample", "hessian", "main", "prepare", "report", "compare",
+            "export", "replay")
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file, `configs/FILE.py` or `configs/FILE.py:ARG`; override keys "
@@ -299,9 +304,22 @@ def run_report(*results_dirs):
     print(f"{results_dir}: {summary.verdict}: {summary.result}")
 
 
+def run_compare(*specs):
+  from geonorm_jax.studies import compare  # pylint: disable=g-import-not-at-top
+  if len(specs) != 2:
+    raise CommandError("compare: give two FOLDER:RUN, e.g. results/norm_zoo:pre/lr0.004 "
+                       "results/norm_zoo:post/lr0.004")
+  try:
+    lines, _ = compare.compare(*specs)
+  except (ValueError, FileNotFoundError) as e:
+    raise CommandError(str(e)) from None
+  print("\n".join(lines))
+
+
 _RUNNERS = {"train": run_train, "eval": run_eval, "sample": run_sample,
             "hessian": run_hessian, "replay": run_replay, "main": run_main,
-            "prepare": run_prepare, "report": run_report, "export": run_export}
+            "prepare": run_prepare, "report": run_report, "compare": run_compare,
+            "export": run_export}
 
 
 def _exit_code(err):
@@ -315,8 +333,8 @@ def _exit_code(err):
 
 def main(argv):
   commands = argv[1:]
-  if not commands or commands[0] not in _RUNNERS or (len(commands) > 1
-                                                     and commands[0] != "report"):
+  if not commands or commands[0] not in _RUNNERS or (
+      len(commands) > 1 and commands[0] not in ("report", "compare")):
     raise app.UsageError(f"give exactly one command, one of: {', '.join(COMMANDS)} "
                          f"(got {' '.join(commands) or 'none'})")
   verbose = flags.FLAGS["verbosity"].present
@@ -326,7 +344,7 @@ def main(argv):
     # line. -v 0 (or --verbosity=0) brings orbax's lines and Python tracebacks back.
     logging.set_verbosity(logging.FATAL)
   try:
-    _RUNNERS[commands[0]](*commands[1:])  # only report takes arguments (folders)
+    _RUNNERS[commands[0]](*commands[1:])  # only report and compare take arguments
   except KeyboardInterrupt:
     print(f"geonorm_jax {commands[0]}: interrupted", file=sys.stderr)
     sys.exit(EXIT_INTERRUPTED)

@@ -11,7 +11,7 @@ import pytest
 import fast_compile  # tests/ is on sys.path (no __init__.py)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMANDS = ("train", "eval", "sample", "hessian", "main", "replay")
+COMMANDS = ("train", "eval", "sample", "hessian", "main", "replay", "compare")
 
 # Small enough that a subprocess trains it in a few seconds on one CPU core.
 TINY_OVERRIDES = [

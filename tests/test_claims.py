@@ -306,3 +306,13 @@ def test_print_emits_one_train_command_per_run():
   runs = claims.make_runs(module, claims.parse_args(module, ["--seeds=0,1"]))
   assert [shlex.split(line) for line in out] == [r.command(python="python") for r in runs]
   assert len(out) == len(module.DTS.split(",")) * 2  # Peri-LN's dt x seeds
+
+
+def test_the_recorded_command_is_the_one_that_trains_the_runs():
+  """config.json's command: a reader retypes it to train the runs; --report_only would not,
+  and where the runs went or how many ran at once changes no number."""
+  experiment = claims.load_experiment("seq_length")
+  argv = ["--seq_lens=512", "--report_only", "--jobs=2", "--out=elsewhere", "--root=runs/x",
+          "--recorded_from=results/norm_zoo"]
+  assert claims._command(experiment, argv) == \
+      "python experiments/seq_length.py --seq_lens=512"

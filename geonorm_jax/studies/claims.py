@@ -378,9 +378,11 @@ def _command(experiment, argv):
   import shlex  # pylint: disable=g-import-not-at-top
   arguments = sys.argv[1:] if argv is None else argv
   # Where the runs and results went and how many ran at once change no number: left out, so
-  # no results file names a machine's folders.
+  # no results file names a machine's folders. --report_only too: the command to retype is
+  # the one that trains the runs.
   arguments = [a for a in arguments
-               if not a.startswith(("--root=", "--out=", "--jobs=", "--recorded_from="))]
+               if not a.startswith(("--root=", "--out=", "--jobs=", "--recorded_from=",
+                                    "--report_only"))]
   return shlex.join(["python", f"experiments/{experiment.NAME}.py", *arguments])
 
 

@@ -182,12 +182,12 @@ def by_grid(rows, curves):
   out = {}
   for row in rows:
     key = (row["variant"], row["width"], row["seed"])
-    lrs, losses, initials = out.setdefault(key, ([], [], []))
+    lrs, losses, names = out.setdefault(key, ([], [], []))
     lrs.append(row["lr"])
     losses.append(row["final_eval_loss"])
-    initials.append(claims.initial_loss(curves, row["name"]))
-  return {k: (lrs, losses, float(np.nanmax(initials)) if np.isfinite(initials).any()
-              else float("nan")) for k, (lrs, losses, initials) in out.items()}
+    names.append(row["name"])
+  return {k: (lrs, losses, claims.grid_initial_loss(curves, names))
+          for k, (lrs, losses, names) in out.items()}
 
 
 def swept(config):

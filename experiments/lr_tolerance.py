@@ -142,17 +142,14 @@ def sensitivities(rows, curves):
   """{variant: Wortsman et al.'s LR sensitivity of its selection-seed grid}, over the LRs
   every variant's grid has (an extended grid would otherwise weigh in), with L0 the largest
   first train loss of the variant's grid runs (lr_sensitivity's reading of the same runs)."""
-  grids, initials = selection(rows), {}
+  grids, names = selection(rows), {}
   for row in rows:
     if row.get("stage") == "select":
-      initials.setdefault(row["variant"], []).append(claims.initial_loss(curves, row["name"]))
+      names.setdefault(row["variant"], []).append(row["name"])
   shared = sorted(set.intersection(*(set(g) for g in grids.values()))) if grids else []
-  out = {}
-  for name, losses in grids.items():
-    l0 = np.asarray(initials[name])
-    out[name] = claims.lr_sensitivity([losses[lr] for lr in shared],
-                                      float(np.nanmax(l0)) if np.isfinite(l0).any() else math.nan)
-  return out, shared
+  return {name: claims.lr_sensitivity([losses[lr] for lr in shared],
+                                      claims.grid_initial_loss(curves, names[name]))
+          for name, losses in grids.items()}, shared
 
 
 def finals(rows):
@@ -242,7 +239,7 @@ def summarize(rows, curves, config):
     runs = final.get(name, [])
     table.append(f"| {name} | " + ", ".join(f"{lr:g}: {losses[lr]:.3f}" for lr in sorted(losses))
                  + f" | {tuned} | {claims.cell(runs, 'final_eval_loss') if runs else '-'} | "
-                 f"{t.describe()} | {sens[name]:.3f} |".replace("| nan |", "| - |"))
+                 f"{t.describe()} | {'-' if math.isnan(sens[name]) else f'{sens[name]:.3f}'} |")
   half = next(iter(tol.values())).half_width if tol else math.inf
   table += ["", f"Tolerance: the largest grid LR up to which every grid LR above the tuned one "
             f"has a final loss within {MARGIN:g} nats of the tuned one's, on the selection seed; "

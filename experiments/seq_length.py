@@ -18,8 +18,8 @@ lengths 128/256/512: 2 placements x 3 lengths x 5 seeds = 30 runs. Measured at 5
 2-core machine, two runs at once: 10 runs in 66 minutes (a run 13-14 minutes of wall time,
 6.6 minutes of the sweep's); 128 and 256 keep the tokens per step, so expect about the same
 a run there: the whole grid about 200 minutes, the 20 shorter-length runs about 130.
---variants=pre,post,geonorm adds Pre-LN's 15 runs for reference. --quick: the longest length only, one seed,
-150 steps. Paper scale: configs/geonorm_paper.py:125m at 512 to 4096, 0.5M tokens a step.
+--variants=pre,post,geonorm adds Pre-LN's 15 runs for reference. --quick: the longest length
+only, one seed, 150 steps. Paper scale: configs/geonorm_paper.py:125m at 512 to 4096, 0.5M tokens a step.
 Writes results/seq_length/{results.csv, curves.csv, table.md, config.json, verdict.json,
 spikes_vs_length.png, loss_curves_longest.png}.
 Verdict, at the longest length, on the counts of unstable runs (exact tests, one-sided, 5%):

@@ -586,6 +586,13 @@ def initial_loss(curves, name):
   return float(losses[0]) if len(losses) else float("nan")
 
 
+def grid_initial_loss(curves, names):
+  """L0 of an LR grid: the largest first logged train loss of its runs `names`; NaN when none
+  has one."""
+  initials = np.asarray([initial_loss(curves, name) for name in names], float)
+  return float(np.nanmax(initials)) if np.isfinite(initials).any() else float("nan")
+
+
 def lr_sensitivity(losses, initial):
   """Wortsman et al.'s (arXiv 2309.14322) LR sensitivity of one LR grid's final losses: the
   mean of min(L, L0) minus the min of L, a non-finite L counted at L0 (the loss at

@@ -19,8 +19,9 @@ writing). A run far past its optimum stops early
 or went non-finite) and counts at the capped loss, so the grid's top costs little.
 
 Per (variant, width, seed), with L(lr) the final validation loss and L0 the loss at
-initialisation (the run's first logged train loss; a run without a finite final loss counts
-at L0):
+initialisation (the first logged train loss of the grid's lowest-LR run: the seed fixes the
+initial model, and a high-LR run can spike by its first log; a run without a finite final
+loss counts at L0):
   LR sensitivity  S = mean over the grid of min(L(lr), L0) - min over the grid of L(lr)
   (Wortsman et al.'s definition, on our grid: S depends on the grid, which the table states);
   optimal LR      the grid LR of min L ("(edge)" on the grid's edge: extend --lrs);
@@ -55,7 +56,10 @@ Verdict (one of the papers' stability claims in Wortsman et al.'s terms): reprod
 simplenorm_llama's LR sensitivity is below pre_llama's at every width measured (paired over
 seeds, 95% t interval of the difference below 0 at each width), not at this scale when it is
 above at any width (Holm over the widths), unresolved otherwise, with fewer than two seeds,
-or whenever a deciding optimum is on its grid's edge.
+or whenever a deciding optimum is on its grid's edge. The table also reads the other stability
+claims in these terms (READINGS: Peri-LN against Pre-LN for divergence_trials, QK-norm against
+Pre-LN for Wortsman et al., GeoNorm against Post-LN for seq_length): the paired difference of
+S at each width where both grids are complete; those do not enter this verdict.
 """
 import math
 import os
@@ -102,6 +106,13 @@ LLAMA_VARIANTS = {"pre_llama": {"judge": "size=tiny_llama,placement=pre",
 DEFAULT_VARIANTS = ("pre", "pre_qknorm", "pre_qknorm_full", "peri", "peri_dt0.1", "geonorm",
                     "post", "deepnorm", "ngpt", "dyt", "pre_llama", "simplenorm_llama")
 DECIDING = ("pre_llama", "simplenorm_llama")  # (baseline, SimpleNorm)
+# The other stability claims in these terms: (variant, its baseline, the claim read). Each is a
+# paired difference of S per width where both have complete grids; the table states it, the
+# verdict stays SimpleGPT's pair's (these pairs decide their own experiments' verdicts).
+READINGS = (("peri", "pre", "Peri-LN is the more stable (divergence_trials)"),
+            ("pre_qknorm", "pre", "QK-layernorm lowers S (Wortsman et al.)"),
+            ("pre_qknorm_full", "pre", "QK-layernorm lowers S (Wortsman et al.)"),
+            ("geonorm", "post", "GeoNorm is the more stable (seq_length)"))
 
 
 def add_arguments(parser):
@@ -177,6 +188,13 @@ def tolerance(lrs, losses, margin=MARGIN):
   return float(x[best]), float(x[top])
 
 
+def lowest_diverged(lrs, losses, l0):
+  """The lowest grid LR whose run ended no better than at initialisation (a final loss at or
+  above L0, or none): divergence_trials' "diverged", read at the end of a run; None if none."""
+  ended_above = [lr for lr, loss in zip(lrs, losses) if not loss < l0]
+  return min(ended_above) if ended_above else None
+
+
 def by_grid(rows, curves):
   """{(variant, width, seed): (lrs, losses, L0)} of the finished runs."""
   out = {}
@@ -186,7 +204,7 @@ def by_grid(rows, curves):
     lrs.append(row["lr"])
     losses.append(row["final_eval_loss"])
     names.append(row["name"])
-  return {k: (lrs, losses, claims.grid_initial_loss(curves, names))
+  return {k: (lrs, losses, claims.grid_initial_loss(curves, names, lrs))
           for k, (lrs, losses, names) in out.items()}
 
 
@@ -229,15 +247,19 @@ def summarize(rows, curves, config):
   grids, short = complete(by_grid(rows, curves), lrs)
   cells = cells_of(grids)
   table = ["| variant | width | seeds | LR sensitivity (nats) | min-max | optimal lr | "
-           f"largest lr within {MARGIN} | x-fold |", "|---|---|---|---|---|---|---|---|"]
+           f"largest lr within {MARGIN} | x-fold | lowest lr ending at or above init, per seed |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for (name, width), by_seed in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
     s = [v[0] for v in by_seed.values()]
     first = by_seed[min(by_seed)]
     optimum, best, top = first[1], first[2], first[3]
     opt = "-" if optimum.x is None else f"{optimum.x:g}" + (" (edge)" if optimum.at_edge else "")
     fold = f"{top / best:g}" if best else "-"
+    diverged = ", ".join(f"{x:g}" if x else "-" for x in (
+        lowest_diverged(*grids[(name, width, seed)]) for seed in sorted(by_seed)))
     table.append(f"| {name} | {width} | {len(s)} | {claims.fmt(s)} | "
-                 f"{min(s):.3f}-{max(s):.3f} | {opt} | {top if top else '-'} | {fold} |")
+                 f"{min(s):.3f}-{max(s):.3f} | {opt} | {top if top else '-'} | {fold} | "
+                 f"{diverged} |")
   table += ["", f"LR sensitivity: mean over the LR grid of the final validation loss capped at "
             "the loss at initialisation, minus the grid's best (Wortsman et al. 2023). Optimal lr, "
             "tolerance and x-fold from the lowest seed's grid (the selection seed). Grid: "
@@ -246,6 +268,7 @@ def summarize(rows, curves, config):
     table += ["", "Not counted, grids that the sweep has not finished (finished LRs of "
               f"{len(lrs)}): " + ", ".join(f"{name} d={width} seed {seed} ({n})" for
                                            (name, width, seed), n in sorted(short.items())) + "."]
+  table += readings(cells, widths)
   holds, diffs = verdict_of(cells, widths)
   result = "; ".join(f"simplenorm_llama - pre_llama at d={w}: {d.describe()}"
                      for w, d in diffs.items()) or "the deciding variants have no grids yet"
@@ -254,6 +277,21 @@ def summarize(rows, curves, config):
       "loss_vs_lr.png": lambda fig: plot_grids(fig, grids, drawn),
       "sensitivity_vs_width.png": lambda fig: plot_sensitivity(fig, cells)} if cells else {}
   return claims.Summary(table, claims.verdict(config, holds), result, figures)
+
+
+def readings(cells, widths):
+  """Table lines: READINGS' paired differences of S, variant minus baseline, per width."""
+  lines = []
+  for name, base, claim in READINGS:
+    for width in widths:
+      a, b = cells.get((name, width)), cells.get((base, width))
+      if a and b:
+        d = stats.difference({k: v[0] for k, v in a.items()}, {k: v[0] for k, v in b.items()})
+        lines.append(f"- {name} - {base} at d={width}: {d.describe()}; the claim read: {claim}")
+  if not lines:
+    return []
+  return ["", "Other stability claims read as S (the same grids; a negative difference is the "
+          "claim's direction; not this experiment's verdict):"] + lines
 
 
 def verdict_of(cells, widths):

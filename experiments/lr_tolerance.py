@@ -140,15 +140,16 @@ def selection(rows):
 
 def sensitivities(rows, curves):
   """{variant: Wortsman et al.'s LR sensitivity of its selection-seed grid}, over the LRs
-  every variant's grid has (an extended grid would otherwise weigh in), with L0 the largest
-  first train loss of the variant's grid runs (lr_sensitivity's reading of the same runs)."""
+  every variant's grid has (an extended grid would otherwise weigh in), with L0 the first
+  train loss of the variant's lowest-LR grid run (lr_sensitivity's reading of the same runs)."""
   grids, names = selection(rows), {}
   for row in rows:
     if row.get("stage") == "select":
-      names.setdefault(row["variant"], []).append(row["name"])
+      names.setdefault(row["variant"], {})[row["lr"]] = row["name"]
   shared = sorted(set.intersection(*(set(g) for g in grids.values()))) if grids else []
   return {name: claims.lr_sensitivity([losses[lr] for lr in shared],
-                                      claims.grid_initial_loss(curves, names[name]))
+                                      claims.grid_initial_loss(curves, list(names[name].values()),
+                                                               list(names[name])))
           for name, losses in grids.items()}, shared
 
 

@@ -521,6 +521,17 @@ def test_lr_sensitivity_is_the_mean_capped_loss_above_the_best():
   # 1e-3 is within too but lies below the optimum, which does not count.
   assert sensitivity.tolerance(SWEEP_LRS, [1.52, 1.50, 1.54, 1.70, 1.52]) == (4e-3, 1.6e-2)
   assert sensitivity.tolerance(SWEEP_LRS, [NAN] * 5) == (None, None)
+  # L0 is the lowest-LR run's first train loss: a run far past its optimum that has already
+  # spiked by its first log (7.7) does not raise the cap; a run that logged nothing is passed.
+  names = [f"lr{lr:g}" for lr in SWEEP_LRS]
+  first = {"lr0.001": NAN, "lr0.004": 5.4, "lr0.016": 5.3, "lr0.064": 7.7, "lr0.256": 3.4}
+  curves = [{"name": n, "split": "train", "key": "loss", "step": 10, "value": v}
+            for n, v in first.items() if v == v]
+  assert claims.grid_initial_loss(curves, names[::-1], SWEEP_LRS[::-1]) == 5.4
+  assert math.isnan(claims.grid_initial_loss([], names, SWEEP_LRS))
+  # Ended at or above the loss at init (5.0), or without a final loss: from 6.4e-2 up.
+  assert sensitivity.lowest_diverged(SWEEP_LRS, [2.0, 1.5, 3.0, 5.0, NAN], 5.0) == 6.4e-2
+  assert sensitivity.lowest_diverged(SWEEP_LRS, [2.0, 1.5, 3.0, 4.9, 4.0], 5.0) is None
 
 
 def _sweep(grids, widths=(32, 64), seeds=(100, 101)):
@@ -589,6 +600,49 @@ def test_lr_sensitivity_counts_only_grids_the_sweep_finished():
                  widths="32,64")
   summary = experiment.summarize(rows, curves, wider)
   assert summary.verdict == "unresolved" and not summary.figures
+
+
+def test_lr_sensitivity_reads_the_other_stability_claims_as_paired_differences_of_s():
+  """Peri-LN against Pre-LN (divergence_trials' claim) is a paired difference of S per width
+  in the table; it leaves the verdict, SimpleGPT's pair's, alone."""
+  experiment = load("lr_sensitivity")
+  grids = {"pre_llama": STEEP, "simplenorm_llama": FLAT, "pre": STEEP, "peri": FLAT}
+  rows, curves = _sweep(grids, seeds=(100, 101, 102))
+  # Seed 102's Pre-LN grid one nat worse at 1.6e-2: S rises by 1/5 nat in that seed only.
+  for r in rows:
+    if r["variant"] == "pre" and r["seed"] == 102 and r["lr"] == 1.6e-2:
+      r["final_eval_loss"] += 1.0
+  summary = experiment.summarize(rows, curves, SENSITIVITY_CONFIG)
+  assert summary.verdict == "reproduced"
+  table = "\n".join(summary.table)
+  peri_s, pre_s = {}, {}
+  for seed, shift in zip((100, 101, 102), (0.0, 0.01, 0.02)):
+    pre = [x + shift for x in STEEP]
+    pre[2] += 1.0 if seed == 102 else 0.0
+    peri_s[seed] = claims.lr_sensitivity([x + shift for x in FLAT], L0)
+    pre_s[seed] = claims.lr_sensitivity(pre, L0)
+  # +1 nat at one LR of five: S +0.2; the seed's shift moves three finite losses of five and
+  # the best: S -0.004 (the capped NaNs stay at L0).
+  assert pre_s[102] - pre_s[101] == pytest.approx(0.2 - 0.004)
+  expected = stats.difference(peri_s, pre_s).describe()
+  for width in (32, 64):
+    assert f"- peri - pre at d={width}: {expected}" in table, table
+    # STEEP's runs at 6.4e-2 and 0.256 have no final loss: diverged from 6.4e-2 in each seed.
+    assert f"| pre | {width} | 3 |" in table
+    line = next(l for l in table.splitlines() if l.startswith(f"| pre | {width} |"))
+    assert line.endswith("| 0.064, 0.064, 0.064 |"), line
+    line = next(l for l in table.splitlines() if l.startswith(f"| peri | {width} |"))
+    assert line.endswith("| -, -, - |"), line
+  assert "pre_qknorm - pre" not in table  # no grids, no line
+
+
+def test_a_long_unfinished_list_is_counted_by_run_less_its_lr():
+  names = [f"d32/pre/lr{lr:g}/seed{s}" for s in (101, 102) for lr in SWEEP_LRS] + ["peri/seed0"]
+  assert claims.unfinished_note(names[:3]) == "; unfinished: " + ", ".join(names[:3])
+  assert claims.unfinished_note(names) == (
+      "; 11 unfinished, named in config.json, by run less its LR: d32/pre/seed101 (5), "
+      "d32/pre/seed102 (5), peri/seed0 (1)")
+  assert claims.unfinished_note([]) == ""
 
 
 # ---------------------------------------------------------------------------

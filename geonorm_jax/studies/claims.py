@@ -41,12 +41,14 @@ across machines (results_folder.py): a run it holds with the same config is fini
 where its workdir is gone, so a sweep resumes from a committed results folder.
 """
 import argparse
+import collections
 import dataclasses
 import functools
 import importlib.util
 import json
 import math
 import os
+import re
 import sys
 
 import numpy as np
@@ -450,6 +452,18 @@ def load_experiment(name):
   return module
 
 
+def unfinished_note(missing, listed=10):
+  """The setting line's account of the unfinished runs: their names while few, else their
+  count by run name less the LR (config.json's "missing" keeps every name)."""
+  if not missing:
+    return ""
+  if len(missing) <= listed:
+    return f"; unfinished: {', '.join(missing)}"
+  groups = collections.Counter(re.sub(r"/lr[^/]*", "", name) for name in missing)
+  return (f"; {len(missing)} unfinished, named in config.json, by run less its LR: "
+          + ", ".join(f"{group} ({n})" for group, n in groups.items()))
+
+
 def _shown_path(path):
   relative = os.path.relpath(os.path.abspath(path), REPO)
   return os.path.abspath(path) if relative.startswith("..") else relative
@@ -483,7 +497,7 @@ def report(out_dir):
   header = [f"# {config['experiment']}: {config['claim']}", "",
             f"Setting ({config['scale']} scale): {config['scale_note']}{quick} Seeds: "
             f"{', '.join(map(str, seeds))} ({len(rows)} finished runs"
-            + (f"; unfinished: {', '.join(config['missing'])}" if config.get("missing") else "")
+            + unfinished_note(config.get("missing") or [])
             + f"). Written by `{config['command']}`; regenerate with "
             f"`python -m geonorm_jax report {_shown_path(out_dir)}`.",
             ""]
@@ -586,11 +600,17 @@ def initial_loss(curves, name):
   return float(losses[0]) if len(losses) else float("nan")
 
 
-def grid_initial_loss(curves, names):
-  """L0 of an LR grid: the largest first logged train loss of its runs `names`; NaN when none
-  has one."""
-  initials = np.asarray([initial_loss(curves, name) for name in names], float)
-  return float(np.nanmax(initials)) if np.isfinite(initials).any() else float("nan")
+def grid_initial_loss(curves, names, lrs):
+  """L0 of an LR grid (its runs `names` at peak LRs `lrs`, one seed, so one initialisation):
+  the first logged train loss of its lowest-LR run that logged one, the run that has moved
+  least from the initial model by its first log; NaN when none has one. Not the grid's
+  largest first loss: a run far past its optimum can already spike above the initial loss by
+  its first log (seen at step 10: 7.70 against 5.54), which would raise the cap."""
+  for _, name in sorted(zip(lrs, names)):
+    loss = initial_loss(curves, name)
+    if math.isfinite(loss):
+      return loss
+  return float("nan")
 
 
 def lr_sensitivity(losses, initial):

@@ -59,7 +59,9 @@ above at any width (Holm over the widths), unresolved otherwise, with fewer than
 or whenever a deciding optimum is on its grid's edge. The table also reads the other stability
 claims in these terms (READINGS: Peri-LN against Pre-LN for divergence_trials, QK-norm against
 Pre-LN for Wortsman et al., GeoNorm against Post-LN for seq_length): the paired difference of
-S at each width where both grids are complete; those do not enter this verdict.
+S at each width where both grids are complete; those do not enter this verdict. A folder whose
+--variants leave out the deciding pair (results/lr_sensitivity_wd0: Pre-LN and Peri-LN without
+weight decay, which experiments/divergence_by_lr.py reads) is unresolved and says why.
 """
 import math
 import os
@@ -270,8 +272,12 @@ def summarize(rows, curves, config):
                                            (name, width, seed), n in sorted(short.items())) + "."]
   table += readings(cells, widths)
   holds, diffs = verdict_of(cells, widths)
-  result = "; ".join(f"simplenorm_llama - pre_llama at d={w}: {d.describe()}"
-                     for w, d in diffs.items()) or "the deciding variants have no grids yet"
+  asked = (config["args"].get("variants") or ",".join(DEFAULT_VARIANTS)).split(",")
+  result = ("; ".join(f"simplenorm_llama - pre_llama at d={w}: {d.describe()}"
+                      for w, d in diffs.items()) or "the deciding variants have no grids yet"
+            if set(DECIDING) <= set(asked) else
+            f"not this folder's question: its --variants leave out {', '.join(DECIDING)} "
+            "(it reads the other stability claims only)")
   drawn = sorted({w for _, w in cells})
   figures = {
       "loss_vs_lr.png": lambda fig: plot_grids(fig, grids, drawn),

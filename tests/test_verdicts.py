@@ -634,6 +634,15 @@ def test_lr_sensitivity_reads_the_other_stability_claims_as_paired_differences_o
     line = next(l for l in table.splitlines() if l.startswith(f"| peri | {width} |"))
     assert line.endswith("| -, -, - |"), line
   assert "pre_qknorm - pre" not in table  # no grids, no line
+  # A folder of Pre-LN and Peri-LN alone (e.g. without weight decay) reads them and says that
+  # SimpleGPT's question is not its own, instead of "no grids yet".
+  only = config("lr_sensitivity", lrs=",".join(f"{lr:g}" for lr in SWEEP_LRS), widths="32,64",
+                variants="pre,peri")
+  summary = experiment.summarize([r for r in rows if r["variant"] in ("pre", "peri")], curves,
+                                 only)
+  assert summary.verdict == "unresolved"
+  assert summary.result.startswith("not this folder's question"), summary.result
+  assert f"- peri - pre at d=32: {expected}" in "\n".join(summary.table)
 
 
 def test_a_long_unfinished_list_is_counted_by_run_less_its_lr():

@@ -312,7 +312,15 @@ def test_the_recorded_command_is_the_one_that_trains_the_runs():
   """config.json's command: a reader retypes it to train the runs; --report_only would not,
   and where the runs went or how many ran at once changes no number."""
   experiment = claims.load_experiment("seq_length")
-  argv = ["--seq_lens=512", "--report_only", "--jobs=2", "--out=elsewhere", "--root=runs/x",
+  default = os.path.join(claims.REPO, "results", "seq_length")
+  argv = ["--seq_lens=512", "--report_only", "--jobs=2", "--out=/tmp/elsewhere", "--root=runs/x",
           "--recorded_from=results/norm_zoo"]
-  assert claims._command(experiment, argv) == \
+  assert claims._command(experiment, argv, default) == \
       "python experiments/seq_length.py --seq_lens=512"
+  assert claims._command(experiment, argv[:1] + [f"--out={default}"], default) == \
+      "python experiments/seq_length.py --seq_lens=512"
+  # A folder of the repository other than the default stays, so that the retyped command
+  # writes there and not over the default folder.
+  other = os.path.join(claims.REPO, "results", "seq_length_wd0")
+  assert claims._command(experiment, argv[:1] + [f"--out={other}"], default) == \
+      "python experiments/seq_length.py --seq_lens=512 --out=results/seq_length_wd0"

@@ -77,10 +77,18 @@ def test_a_sweep_resumes_from_its_results_folder_on_a_new_machine(monkeypatch, t
 def test_a_record_of_another_config_is_not_this_run(monkeypatch, tmp_path):
   out = tmp_path / "results"
   first = _run(monkeypatch, tmp_path / "machine1", out)
+  written = {f: (out / f).read_bytes() for f in ("results.csv", "curves.csv", "config.json")}
+  # Another --extra into the same folder would replace its runs: refused, the folder intact.
+  with pytest.raises(SystemExit, match=r"--out: .*results holds runs of --extra='' at scale "
+                     r"judge, not --extra='steps=20'"):
+    _run(monkeypatch, tmp_path / "machine2", out, "--extra=steps=20")
+  assert {f: (out / f).read_bytes() for f in written} == written
   # Another --extra is another config under the same names: everything trains.
-  again = _run(monkeypatch, tmp_path / "machine2", out, "--extra=steps=20")
+  other = tmp_path / "results_steps20"
+  again = _run(monkeypatch, tmp_path / "machine2", other, "--extra=steps=20",
+               f"--recorded_from={out}")
   assert sorted(again) == sorted(first)
-  _, _, config = _folder(out)
+  _, _, config = _folder(other)
   assert config["recorded"] == {} and all("steps=20" in o for o in config["runs"].values())
   record = results_folder.recorded_runs(out)["a/lr0.001/seed100"]
   run = sweep.Run("a/lr0.001/seed100", "configs/judge.py", record.overrides, 100)

@@ -185,11 +185,30 @@ def parse_args(experiment, argv=None):
   args.grid_root = (os.path.join(args.root, "lr_grid" + ("_quick" if args.quick else ""))
                     if args.root else os.path.join("runs", "claims", "lr_grid", scale_dir))
   args.root = args.root or os.path.join("runs", "claims", experiment.NAME, scale_dir)
-  args.out = args.out or os.path.join(REPO, "results", experiment.NAME + suffix)
+  args.default_out = os.path.join(REPO, "results", experiment.NAME + suffix)
+  args.out = args.out or args.default_out
   # Earlier results stand for runs whose workdirs are not on this machine.
   args.recorded = [results_folder.recorded_runs(args.out)] + [
       _other_records(experiment, folder) for folder in args.recorded_from.split(",") if folder]
   return args
+
+
+def _refuse_another_recipe(args):
+  """One error, before anything trains, when --out holds a folder written with other --extra
+  overrides or at another scale: its runs would not count here and rewriting the folder would
+  drop them (a sweep extends a folder with more variants, widths or seeds, never another
+  recipe)."""
+  path = os.path.join(args.out, "config.json")
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    saved = json.load(f)
+  was = (saved.get("args", {}).get("extra", ""), saved.get("scale", args.scale))
+  if was != (args.extra, args.scale):
+    raise SystemExit(
+        f"--out: {_shown_path(args.out)} holds runs of --extra={was[0]!r} at scale {was[1]}, "
+        f"not --extra={args.extra!r} at scale {args.scale}; rewriting it would drop them: name "
+        "another --out (its command: config.json)")
 
 
 def _other_records(experiment, folder):
@@ -343,6 +362,7 @@ def run_tuned(experiment, args):
 def run(experiment, argv=None):
   """Parse the flags, run (or print) the unfinished runs, collect, write and report."""
   args = parse_args(experiment, argv)
+  _refuse_another_recipe(args)
   if hasattr(experiment, "TUNED_LRS") or hasattr(experiment, "SELECTED"):
     runs = run_tuned(experiment, args)
   else:
@@ -360,10 +380,10 @@ def run(experiment, argv=None):
   sweep.write_csv(os.path.join(args.out, "curves.csv"), curves)
   scale = experiment.SCALES[args.scale]
   extra_args = {k: v for k, v in vars(args).items()
-                if k not in ("seed_list", "root", "grid_root", "out", "print_only", "report_only",
+                if k not in ("seed_list", "root", "grid_root", "out", "default_out", "print_only", "report_only",
                              "jobs", "recorded", "recorded_from")}
   sweep.write_config(os.path.join(args.out, "config.json"), experiment=experiment.NAME,
-                     claim=experiment.CLAIM, command=_command(experiment, argv),
+                     claim=experiment.CLAIM, command=_command(experiment, argv, args.default_out),
                      scale=args.scale, scale_note=scale.note,
                      config_file=scale.config_file, args=extra_args,
                      runs={r.name: r.overrides for r in runs},
@@ -375,17 +395,23 @@ def run(experiment, argv=None):
   return summary
 
 
-def _command(experiment, argv):
+def _command(experiment, argv, default_out):
   """The command line that wrote a results folder, as a reader would retype it."""
   import shlex  # pylint: disable=g-import-not-at-top
   arguments = sys.argv[1:] if argv is None else argv
-  # Where the runs and results went and how many ran at once change no number: left out, so
-  # no results file names a machine's folders. --report_only too: the command to retype is
-  # the one that trains the runs.
-  arguments = [a for a in arguments
-               if not a.startswith(("--root=", "--out=", "--jobs=", "--recorded_from=",
-                                    "--report_only"))]
-  return shlex.join(["python", f"experiments/{experiment.NAME}.py", *arguments])
+  # Where the runs went and how many ran at once change no number: left out, so no results
+  # file names a machine's folders. --report_only too: the command to retype is the one that
+  # trains the runs. A results folder inside the repository other than the default stays: the
+  # retyped command must write there, not over the default folder.
+  kept = []
+  for a in arguments:
+    if a.startswith("--out="):
+      out = os.path.relpath(os.path.abspath(a[len("--out="):]), REPO)
+      if not out.startswith("..") and out != os.path.relpath(default_out, REPO):
+        kept.append(f"--out={out}")
+    elif not a.startswith(("--root=", "--jobs=", "--recorded_from=", "--report_only")):
+      kept.append(a)
+  return shlex.join(["python", f"experiments/{experiment.NAME}.py", *kept])
 
 
 @functools.lru_cache(maxsize=None)

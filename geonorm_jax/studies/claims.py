@@ -380,8 +380,8 @@ def run(experiment, argv=None):
   sweep.write_csv(os.path.join(args.out, "curves.csv"), curves)
   scale = experiment.SCALES[args.scale]
   extra_args = {k: v for k, v in vars(args).items()
-                if k not in ("seed_list", "root", "grid_root", "out", "default_out", "print_only", "report_only",
-                             "jobs", "recorded", "recorded_from")}
+                if k not in ("seed_list", "root", "grid_root", "out", "default_out", "print_only",
+                             "report_only", "jobs", "recorded", "recorded_from")}
   sweep.write_config(os.path.join(args.out, "config.json"), experiment=experiment.NAME,
                      claim=experiment.CLAIM, command=_command(experiment, argv, args.default_out),
                      scale=args.scale, scale_note=scale.note,

@@ -26,7 +26,6 @@ Writes OUT/{results.csv (one row per run: variant, width, lr, seed, weight decay
 L0, diverged), table.md}.
 """
 import argparse
-import csv
 import json
 import math
 import os
@@ -155,17 +154,15 @@ def main(argv=None):
   if not rows:
     raise SystemExit(f"{args.without_wd} and {args.with_wd} share no finished run")
   os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "results.csv"), "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
+  sweep.write_csv(os.path.join(args.out, "results.csv"), rows)
   command = ("python experiments/divergence_by_lr.py " + " ".join(
       f"--{k}={os.path.relpath(os.path.abspath(v), REPO)}" for k, v in vars(args).items()))
   header = [f"# divergence_by_lr: {CLAIM}", "",
             f"Written by `{command}` from the two folders' results.csv and curves.csv.", ""]
+  text = "\n".join(header + table(rows, decays))
   with open(os.path.join(args.out, "table.md"), "w") as f:
-    f.write("\n".join(header + table(rows, decays)) + "\n")
-  print("\n".join(header + table(rows, decays)))
+    f.write(text + "\n")
+  print(text)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ past the optimum, where the sensitivity curves rise) that the first folder also 
 the two weight decays are paired.
 
 A run diverged when it ended no better than the model at initialisation: a final validation
-loss at or above L0, or none (lr_sensitivity.lowest_diverged's reading; a run whose train loss
-stayed above its first value for train.give_up_steps stops there and ends above L0). L0 is the
+loss at or above L0, or none (lr_sensitivity.lowest_diverged's reading; a record of a run
+that gave up under train.give_up_steps, as lr_sensitivity's grids once did, stopped above L0
+and counts as diverged, though trained on it might have come back below). L0 is the
 seed's initial loss, read in the with-weight-decay folder: the first logged train loss of its
 lowest-LR run (claims.grid_initial_loss), the run that moved least from the shared initial
 model, which a grid cut to its high LRs does not have; weight decay does not act before the

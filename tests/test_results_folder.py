@@ -104,8 +104,8 @@ def test_a_record_of_another_config_is_not_this_run(monkeypatch, tmp_path):
 
 
 def test_another_experiments_folder_lends_its_runs_of_the_same_config(monkeypatch, tmp_path):
-  """lr_sensitivity's widest width and lr_tolerance's grid are the same runs; an LR-sensitivity
-  run gives up early (train.give_up_steps), which changes nothing for a run that never gave up."""
+  """lr_sensitivity's widest width and lr_tolerance's grid are the same runs; a run that may
+  give up early (train.give_up_steps) is the same run as one that may not, unless it gave up."""
   lender = tmp_path / "lender"
   lent = _run(monkeypatch, tmp_path / "machine1", lender, "--extra=steps=20")
   rows = {row["name"]: row for row in results_folder.read_csv(lender / "results.csv")}
@@ -157,8 +157,8 @@ def test_a_finished_workdir_wins_over_the_record(monkeypatch, tmp_path):
 
 
 def test_a_record_that_may_have_given_up_is_not_a_full_run():
-  """A run of an LR-sensitivity grid (train.give_up_steps=100) stands for the same run without
-  the setting only when its row says it never gave up; a row written before results.csv had
+  """A record of a run with train.give_up_steps=100 (lr_sensitivity's grids used to set it)
+  stands for the same run without the setting only when its row says it never gave up; a row written before results.csv had
   the column says nothing, so it does not."""
   overrides = "placement=pre,lr=0.5"
   row = {"name": "pre/lr0.5/seed100", "seed": 100}

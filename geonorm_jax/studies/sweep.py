@@ -109,8 +109,9 @@ def default_jobs():
 # Config fields that change how a run is carried out, not what it computes.
 _OPERATIONAL = ("train.progress_bar", "data.num_workers", "checkpoint", "mesh")
 # A run that did not give up computed the same numbers whatever train.give_up_steps was, so
-# it serves a sweep that sets it (the LR-sensitivity grid shares the LR-grid runs this way);
-# a run that gave up is compared on it like any other field.
+# it serves a sweep that sets it or not (the records of lr_sensitivity's grids from before they
+# ran every run to the end serve its runs this way); a run that gave up is compared on it like
+# any other field.
 _GIVE_UP = "train.give_up_steps"
 
 

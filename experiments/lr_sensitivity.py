@@ -20,9 +20,10 @@ Every run trains to the end, far past the optimum too. The grid used to stop a r
 (train.give_up_steps = 100: its train loss above its first value for 100 steps in a row) and
 count it at L0, so that the grid's top would cost little. Measured, the stop saved little and
 was not neutral: of the first 554 runs 47 gave up, 7.5% of the sweep's compute had they run
-on, and of GeoNorm's and Post-LN's 14 at d = 32, trained to the end, 12 came back below
-L0 (5.55) to the unigram plateau (3.36-3.93). Counted at L0 they had raised GeoNorm's S by
-0.47 and Post-LN's by 0.16, enough to make a difference of +0.07 between them read as +0.38.
+on, and trained to the end 38 of them came back below L0 (about 5.5), most to the unigram
+plateau (3.35). At d = 32 GeoNorm's 11 and Post-LN's 3, counted at L0, had raised GeoNorm's
+S by 0.47 and Post-LN's by 0.16, enough to make a difference of +0.07 between them read as
++0.38.
 The PyTorch trainer of experiments/torch_judge.py, on the same data and init, shows the same
 at lr 0.128: above its start for 154 steps in a row (steps 688-841, up to 12.1), then 3.356
 at the end. A run with on_divergence=skip keeps its last finite parameters and ends with a

@@ -158,8 +158,8 @@ def test_a_finished_workdir_wins_over_the_record(monkeypatch, tmp_path):
 
 def test_a_record_that_may_have_given_up_is_not_a_full_run():
   """A record of a run with train.give_up_steps=100 (lr_sensitivity's grids used to set it)
-  stands for the same run without the setting only when its row says it never gave up; a row written before results.csv had
-  the column says nothing, so it does not."""
+  stands for the same run without the setting only when its row says it never gave up; a row
+  written before results.csv had the column says nothing, so it does not."""
   overrides = "placement=pre,lr=0.5"
   row = {"name": "pre/lr0.5/seed100", "seed": 100}
   full_run = sweep.Run(row["name"], "configs/judge.py", overrides, 100)

@@ -27,31 +27,17 @@ Writes OUT/{results.csv (one row per run: variant, width, lr, seed, weight decay
 L0, diverged), table.md}.
 """
 import argparse
-import json
 import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from geonorm_jax.studies import claims, results_folder, stats, sweep  # pylint: disable=g-import-not-at-top
+from geonorm_jax.studies import claims, stats, sweep  # pylint: disable=g-import-not-at-top
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLAIM = ("Pre-LN diverges in 1/5 runs with weight decay and 3/5 without, Peri-LN in 0/5 (the "
          "divergence_trials claim), read over the LRs where lr_sensitivity's curves rise")
 lr_sensitivity = claims.load_experiment("lr_sensitivity")
-
-
-def read_folder(folder):
-  """(config.json, results.csv rows, curves.csv rows) of an lr_sensitivity results folder."""
-  path = os.path.join(folder, "config.json")
-  if not os.path.exists(path):
-    raise SystemExit(f"{folder}: no config.json, not a results folder")
-  with open(path) as f:
-    config = json.load(f)
-  if config.get("experiment") != lr_sensitivity.NAME:
-    raise SystemExit(f"{folder}: written by {config.get('experiment')!r}, not lr_sensitivity")
-  return (config, results_folder.read_csv(os.path.join(folder, "results.csv")),
-          results_folder.read_csv(os.path.join(folder, "curves.csv")))
 
 
 def weight_decay(config, folder):
@@ -143,7 +129,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   folders = []
   for folder in (args.with_wd, args.without_wd):
-    config, rows, curves = read_folder(folder)
+    config, rows, curves = lr_sensitivity.read_folder(folder)
     config["weight_decay"] = weight_decay(config, folder)
     folders.append((config, rows, curves))
   decays = tuple(f[0]["weight_decay"] for f in folders)

@@ -19,11 +19,11 @@ writing).
 Every run trains to the end, far past the optimum too. The grid used to stop a run early
 (train.give_up_steps = 100: its train loss above its first value for 100 steps in a row) and
 count it at L0, so that the grid's top would cost little. Measured, the stop saved little and
-was not neutral: of the first 554 runs 47 gave up, 7.5% of the sweep's compute had they run
-on, and trained to the end 38 of them came back below L0 (about 5.5), most to the unigram
+was not neutral: of the first 554 runs 47 gave up, 7.6% of the sweep's training steps had they
+run on, and trained to the end 38 of them came back below L0 (about 5.5), most to the unigram
 plateau (3.35). At d = 32 GeoNorm's 11 and Post-LN's 3, counted at L0, had raised GeoNorm's
 S by 0.47 and Post-LN's by 0.16, enough to make a difference of +0.07 between them read as
-+0.38.
++0.38 (experiments/early_stop_effect.py reads the runs both ways: results/early_stop).
 The PyTorch trainer of experiments/torch_judge.py, on the same data and init, shows the same
 at lr 0.128: above its start for 154 steps in a row (steps 688-841, up to 12.1), then 3.356
 at the end. A run with on_divergence=skip keeps its last finite parameters and ends with a
@@ -67,11 +67,13 @@ seeds, 95% t interval of the difference below 0 at each width), not at this scal
 above at any width (Holm over the widths), unresolved otherwise, with fewer than two seeds,
 or whenever a deciding optimum is on its grid's edge. The table also reads the other stability
 claims in these terms (READINGS: Peri-LN against Pre-LN for divergence_trials, QK-norm against
-Pre-LN for Wortsman et al., GeoNorm against Post-LN for seq_length): the paired difference of
+Pre-LN for Wortsman et al., Peri-LN with dt = 0.1 against Peri-LN for the optimal-control
+paper's dt < 1, GeoNorm against Post-LN for seq_length): the paired difference of
 S at each width where both grids are complete; those do not enter this verdict. A folder whose
 --variants leave out the deciding pair (results/lr_sensitivity_wd0: Pre-LN and Peri-LN without
 weight decay, which experiments/divergence_by_lr.py reads) is unresolved and says why.
 """
+import json
 import math
 import os
 import sys
@@ -79,7 +81,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from geonorm_jax.studies import claims, stats, sweep  # pylint: disable=g-import-not-at-top
+from geonorm_jax.studies import claims, results_folder, stats, sweep  # pylint: disable=g-import-not-at-top
 
 NAME = "lr_sensitivity"
 CLAIM = ("SimpleNorm lowers Pre-LN's learning-rate sensitivity (the stability claims, read as "
@@ -122,6 +124,8 @@ DECIDING = ("pre_llama", "simplenorm_llama")  # (baseline, SimpleNorm)
 READINGS = (("peri", "pre", "Peri-LN is the more stable (divergence_trials)"),
             ("pre_qknorm", "pre", "QK-layernorm lowers S (Wortsman et al.)"),
             ("pre_qknorm_full", "pre", "QK-layernorm lowers S (Wortsman et al.)"),
+            ("peri_dt0.1", "peri", "a residual step dt < 1 steadies Peri-LN further (Stability "
+             "under LayerNorm)"),
             ("geonorm", "post", "GeoNorm is the more stable (seq_length)"))
 
 
@@ -215,6 +219,21 @@ def by_grid(rows, curves):
     names.append(row["name"])
   return {k: (lrs, losses, claims.grid_initial_loss(curves, names, lrs))
           for k, (lrs, losses, names) in out.items()}
+
+
+def read_folder(folder):
+  """(config.json, results.csv rows, curves.csv rows) of an lr_sensitivity results folder, for
+  the experiments that read one (divergence_by_lr, early_stop_effect); an error naming it if it
+  is not one."""
+  path = os.path.join(folder, "config.json")
+  if not os.path.exists(path):
+    raise SystemExit(f"{folder}: no config.json, not a results folder")
+  with open(path) as f:
+    config = json.load(f)
+  if config.get("experiment") != NAME:
+    raise SystemExit(f"{folder}: written by {config.get('experiment')!r}, not {NAME}")
+  return (config, results_folder.read_csv(os.path.join(folder, "results.csv")),
+          results_folder.read_csv(os.path.join(folder, "curves.csv")))
 
 
 def swept(config):

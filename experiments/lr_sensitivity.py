@@ -274,9 +274,9 @@ def summarize(rows, curves, config):
   widths, lrs = swept(config)
   grids, short = complete(by_grid(rows, curves), lrs)
   cells = cells_of(grids)
-  table = ["| variant | width | seeds | LR sensitivity (nats) | min-max | optimal lr | "
+  table = ["| variant | width | seeds | LR sensitivity (nats) | min-max | best loss | optimal lr | "
            f"largest lr within {MARGIN} | x-fold | lowest lr ending at or above init, per seed |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for (name, width), by_seed in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][0])):
     s = [v[0] for v in by_seed.values()]
     first = by_seed[min(by_seed)]
@@ -285,11 +285,15 @@ def summarize(rows, curves, config):
     fold = f"{top / best:g}" if best else "-"
     diverged = ", ".join(f"{x:g}" if x else "-" for x in (
         lowest_diverged(*grids[(name, width, seed)]) for seed in sorted(by_seed)))
+    best_loss = claims.fmt([v[1].loss for v in by_seed.values()]).split(" (")[0]
     table.append(f"| {name} | {width} | {len(s)} | {claims.fmt(s)} | "
-                 f"{min(s):.3f}-{max(s):.3f} | {opt} | {top if top else '-'} | {fold} | "
+                 f"{min(s):.3f}-{max(s):.3f} | {best_loss} | {opt} | {top if top else '-'} | "
+                 f"{fold} | "
                  f"{diverged} |")
   table += ["", f"LR sensitivity: mean over the LR grid of the final validation loss capped at "
-            "the loss at initialisation, minus the grid's best (Wortsman et al. 2023). Optimal lr, "
+            "the loss at initialisation, minus the grid's best (Wortsman et al. 2023). Best loss: "
+            "the grid's lowest final validation loss, each seed at its own best LR (mean +- sd "
+            "over seeds). Optimal lr, "
             "tolerance and x-fold from the lowest seed's grid (the selection seed). Grid: "
             f"{','.join(f'{lr:g}' for lr in lrs)}."]
   if short:
@@ -312,18 +316,24 @@ def summarize(rows, curves, config):
 
 
 def readings(cells, widths):
-  """Table lines: READINGS' paired differences of S, variant minus baseline, per width."""
-  lines = []
+  """Table lines: READINGS' paired differences of S, variant minus baseline, per width; then
+  of their best losses, each grid at its own best LR (the fair comparison of the two at
+  tuned LRs that the stability claims leave aside)."""
+  lines, best = [], []
   for name, base, claim in READINGS:
     for width in widths:
       a, b = cells.get((name, width)), cells.get((base, width))
       if a and b:
         d = stats.difference({k: v[0] for k, v in a.items()}, {k: v[0] for k, v in b.items()})
         lines.append(f"- {name} - {base} at d={width}: {d.describe()}; the claim read: {claim}")
+        d = stats.difference({k: v[1].loss for k, v in a.items()},
+                             {k: v[1].loss for k, v in b.items()})
+        best.append(f"- {name} - {base} at d={width}: {d.describe()}")
   if not lines:
     return []
-  return ["", "Other stability claims read as S (the same grids; a negative difference is the "
-          "claim's direction; not this experiment's verdict):"] + lines
+  return (["", "Other stability claims read as S (the same grids; a negative difference is the "
+           "claim's direction; not this experiment's verdict):"] + lines
+          + ["", "The same pairs' best losses, each seed at its own best LR of the grid:"] + best)
 
 
 def verdict_of(cells, widths):

@@ -645,6 +645,27 @@ def test_lr_sensitivity_reads_the_other_stability_claims_as_paired_differences_o
   assert f"- peri - pre at d=32: {expected}" in "\n".join(summary.table)
 
 
+def test_lr_sensitivity_compares_the_pairs_best_losses_each_at_its_own_lr():
+  """Beside S, each READINGS pair's best losses, every grid at its own best LR: a column per
+  cell and a paired difference per width (Peri-LN with dt 0.1 against Peri-LN here)."""
+  experiment = load("lr_sensitivity")
+  lower = [1.60, 1.45, 1.52, 1.56, 1.70]  # best 1.45 at 4e-3, FLAT's 1.50
+  rows, curves = _sweep({"pre_llama": STEEP, "simplenorm_llama": FLAT, "peri": FLAT,
+                         "peri_dt0.1": lower}, seeds=(100, 101, 102))
+  for r in rows:  # seed 101's dt 0.1 optimum 0.03 lower still
+    if r["variant"] == "peri_dt0.1" and r["seed"] == 101 and r["lr"] == 4e-3:
+      r["final_eval_loss"] -= 0.03
+  table = "\n".join(experiment.summarize(rows, curves, SENSITIVITY_CONFIG).table)
+  best_dt = {100: 1.45, 101: 1.45 + 0.01 - 0.03, 102: 1.45 + 0.02}
+  best_peri = {100: 1.50, 101: 1.51, 102: 1.52}
+  line = next(l for l in table.splitlines() if l.startswith("| peri_dt0.1 | 32 |"))
+  assert f"| {claims.fmt(list(best_dt.values())).split(' (')[0]} | 0.004 |" in line, line
+  best = table.split("each seed at its own best LR of the grid:")[1]
+  expected = stats.difference(best_dt, best_peri).describe()
+  assert f"- peri_dt0.1 - peri at d=64: {expected}" in best, best
+  assert expected.startswith("-0.060 ["), expected
+
+
 def test_a_long_unfinished_list_is_counted_by_run_less_its_lr():
   names = [f"d32/pre/lr{lr:g}/seed{s}" for s in (101, 102) for lr in SWEEP_LRS] + ["peri/seed0"]
   assert claims.unfinished_note(names[:3]) == "; unfinished: " + ", ".join(names[:3])

@@ -87,9 +87,9 @@ def table(runs, saved, shared, cells_stop, cells_end, widths):
   lines += ["", "S: lr_sensitivity's (mean over the grid of the final loss capped at L0, minus "
             "the grid's best), mean +- sd over seeds, over the grids complete in both readings."]
   for title, cells in (("With the stop", cells_stop), ("Trained to the end", cells_end)):
-    read = lr_sensitivity.readings(cells, widths)
+    read = [line for line in lr_sensitivity.readings(cells, widths) if "the claim read" in line]
     if read:
-      lines += ["", f"{title}:"] + read[2:]
+      lines += ["", f"{title}:"] + read
   return lines
 
 

@@ -317,23 +317,27 @@ def summarize(rows, curves, config):
 
 def readings(cells, widths):
   """Table lines: READINGS' paired differences of S, variant minus baseline, per width; then
-  of their best losses, each grid at its own best LR (the fair comparison of the two at
-  tuned LRs that the stability claims leave aside)."""
+  of their best losses and the deciding pair's, each grid at its own best LR (the fair
+  comparison of the two at tuned LRs that the stability claims leave aside)."""
   lines, best = [], []
-  for name, base, claim in READINGS:
+  for name, base, claim in ((DECIDING[1], DECIDING[0], None),) + READINGS:
     for width in widths:
       a, b = cells.get((name, width)), cells.get((base, width))
       if a and b:
         d = stats.difference({k: v[0] for k, v in a.items()}, {k: v[0] for k, v in b.items()})
-        lines.append(f"- {name} - {base} at d={width}: {d.describe()}; the claim read: {claim}")
+        if claim:  # the deciding pair's S is the verdict's, stated there
+          lines.append(f"- {name} - {base} at d={width}: {d.describe()}; the claim read: {claim}")
         d = stats.difference({k: v[1].loss for k, v in a.items()},
                              {k: v[1].loss for k, v in b.items()})
         best.append(f"- {name} - {base} at d={width}: {d.describe()}")
-  if not lines:
-    return []
-  return (["", "Other stability claims read as S (the same grids; a negative difference is the "
-           "claim's direction; not this experiment's verdict):"] + lines
-          + ["", "The same pairs' best losses, each seed at its own best LR of the grid:"] + best)
+  out = []
+  if lines:
+    out += ["", "Other stability claims read as S (the same grids; a negative difference is the "
+            "claim's direction; not this experiment's verdict):"] + lines
+  if best:
+    out += ["", "Best losses, each seed at its own best LR of the grid (variant minus baseline; "
+            "the pairs above and SimpleGPT's):"] + best
+  return out
 
 
 def verdict_of(cells, widths):

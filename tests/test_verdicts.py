@@ -660,10 +660,12 @@ def test_lr_sensitivity_compares_the_pairs_best_losses_each_at_its_own_lr():
   best_peri = {100: 1.50, 101: 1.51, 102: 1.52}
   line = next(l for l in table.splitlines() if l.startswith("| peri_dt0.1 | 32 |"))
   assert f"| {claims.fmt(list(best_dt.values())).split(' (')[0]} | 0.004 |" in line, line
-  best = table.split("each seed at its own best LR of the grid:")[1]
+  best = table.split("each seed at its own best LR of the grid")[1]
   expected = stats.difference(best_dt, best_peri).describe()
   assert f"- peri_dt0.1 - peri at d=64: {expected}" in best, best
   assert expected.startswith("-0.060 ["), expected
+  # SimpleGPT's pair too (FLAT against STEEP: the same best, 1.50 + the seed's shift).
+  assert "- simplenorm_llama - pre_llama at d=32: +0.000" in best, best
 
 
 def test_a_long_unfinished_list_is_counted_by_run_less_its_lr():

@@ -69,7 +69,9 @@ or whenever a deciding optimum is on its grid's edge. The table also reads the o
 claims in these terms (READINGS: Peri-LN against Pre-LN for divergence_trials, QK-norm against
 Pre-LN for Wortsman et al., Peri-LN with dt = 0.1 against Peri-LN for the optimal-control
 paper's dt < 1, GeoNorm against Post-LN for seq_length): the paired difference of
-S at each width where both grids are complete; those do not enter this verdict. A folder whose
+S at each width where both grids are complete, then of best loss (each seed at its own best
+LR: a flatter curve is not a better model) for those pairs and the deciding one; those do not
+enter this verdict. A folder whose
 --variants leave out the deciding pair (results/lr_sensitivity_wd0: Pre-LN and Peri-LN without
 weight decay, which experiments/divergence_by_lr.py reads) is unresolved and says why.
 """
@@ -288,8 +290,7 @@ def summarize(rows, curves, config):
     best_loss = claims.fmt([v[1].loss for v in by_seed.values()]).split(" (")[0]
     table.append(f"| {name} | {width} | {len(s)} | {claims.fmt(s)} | "
                  f"{min(s):.3f}-{max(s):.3f} | {best_loss} | {opt} | {top if top else '-'} | "
-                 f"{fold} | "
-                 f"{diverged} |")
+                 f"{fold} | {diverged} |")
   table += ["", f"LR sensitivity: mean over the LR grid of the final validation loss capped at "
             "the loss at initialisation, minus the grid's best (Wortsman et al. 2023). Best loss: "
             "the grid's lowest final validation loss, each seed at its own best LR (mean +- sd "

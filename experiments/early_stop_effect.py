@@ -112,11 +112,11 @@ def main(argv=None):
                      "the runs trained to the end")
   stop_rows = {n: stop_rows[n] for n in shared}
   widths, lrs = lr_sensitivity.swept(config)
-  grids_end, _ = lr_sensitivity.complete(
-      lr_sensitivity.by_grid([end_rows[n] for n in shared], curves), lrs)
+  by_grid_end = lr_sensitivity.by_grid([end_rows[n] for n in shared], curves)
+  grids_end, _ = lr_sensitivity.complete(by_grid_end, lrs)
   grids_stop, _ = lr_sensitivity.complete(
       lr_sensitivity.by_grid(list(stop_rows.values()), curves), lrs)
-  runs = per_run(stop_rows, end_rows, lr_sensitivity.by_grid(end_list, curves))
+  runs = per_run(stop_rows, end_rows, by_grid_end)
   lines = table(runs, steps_saved(stop_rows, end_rows), shared,
                 lr_sensitivity.cells_of(grids_stop), lr_sensitivity.cells_of(grids_end), widths)
   os.makedirs(args.out, exist_ok=True)

@@ -68,7 +68,8 @@ above at any width (Holm over the widths), unresolved otherwise, with fewer than
 or whenever a deciding optimum is on its grid's edge. The table also reads the other stability
 claims in these terms (READINGS: Peri-LN against Pre-LN for divergence_trials, QK-norm against
 Pre-LN for Wortsman et al., Peri-LN with dt = 0.1 against Peri-LN for the optimal-control
-paper's dt < 1, GeoNorm against Post-LN for seq_length): the paired difference of
+paper's dt < 1, GeoNorm against Post-LN for seq_length, DeepNorm against Post-LN for DeepNet,
+DyT and nGPT against Pre-LN for their parity claims): the paired difference of
 S at each width where both grids are complete, then of best loss (each seed at its own best
 LR: a flatter curve is not a better model) for those pairs and the deciding one; those do not
 enter this verdict. A folder whose
@@ -128,7 +129,13 @@ READINGS = (("peri", "pre", "Peri-LN is the more stable (divergence_trials)"),
             ("pre_qknorm_full", "pre", "QK-layernorm lowers S (Wortsman et al.)"),
             ("peri_dt0.1", "peri", "a residual step dt < 1 steadies Peri-LN further (Stability "
              "under LayerNorm)"),
-            ("geonorm", "post", "GeoNorm is the more stable (seq_length)"))
+            ("geonorm", "post", "GeoNorm is the more stable (seq_length)"),
+            ("deepnorm", "post", "DeepNorm's up-weighted stream steadies Post-LN (DeepNet)"),
+            # Not claims about S: a difference near 0 is these papers' direction.
+            ("dyt", "pre", "DyT stands in for Pre-LN's norms (Transformers without "
+             "Normalization: parity)"),
+            ("ngpt", "pre", "nGPT trains as well as its Pre-LN baseline (nGPT claims speed, "
+             "not S: parity)"))
 
 
 def add_arguments(parser):
@@ -333,8 +340,9 @@ def readings(cells, widths):
         best.append(f"- {name} - {base} at d={width}: {d.describe()}")
   out = []
   if lines:
-    out += ["", "Other stability claims read as S (the same grids; a negative difference is the "
-            "claim's direction; not this experiment's verdict):"] + lines
+    out += ["", "Other stability claims read as S (the same grids; a negative difference is a "
+            "'more stable' claim's direction, one near 0 a parity claim's; not this "
+            "experiment's verdict):"] + lines
   if best:
     out += ["", "Best losses, each seed at its own best LR of the grid (variant minus baseline; "
             "the pairs above and SimpleGPT's):"] + best

@@ -67,14 +67,14 @@ seeds, 95% t interval of the difference below 0 at each width), not at this scal
 above at any width (Holm over the widths), unresolved otherwise, with fewer than two seeds,
 or whenever a deciding optimum is on its grid's edge. The table also reads the other stability
 claims in these terms (READINGS: Peri-LN against Pre-LN for divergence_trials, QK-norm against
-Pre-LN for Wortsman et al., Peri-LN with dt = 0.1 against Peri-LN for the optimal-control
-paper's dt < 1, GeoNorm against Post-LN for seq_length, DeepNorm against Post-LN for DeepNet,
-DyT and nGPT against Pre-LN for their parity claims): the paired difference of
-S at each width where both grids are complete, then of best loss (each seed at its own best
-LR: a flatter curve is not a better model) for those pairs and the deciding one; those do not
-enter this verdict. A folder whose
---variants leave out the deciding pair (results/lr_sensitivity_wd0: Pre-LN and Peri-LN without
-weight decay, which experiments/divergence_by_lr.py reads) is unresolved and says why.
+Pre-LN for Wortsman et al. and its two scopes against each other, Peri-LN with dt = 0.1
+against Peri-LN for the optimal-control paper's dt < 1, GeoNorm against Post-LN for
+seq_length, DeepNorm against Post-LN for DeepNet, DyT and nGPT against Pre-LN for their parity
+claims): the paired difference of S at each width where both grids are complete, then of best
+loss (each seed at its own best LR: a flatter curve is not a better model) for those pairs and
+the deciding one; those do not enter this verdict. A folder whose --variants leave out the
+deciding pair (results/lr_sensitivity_wd0: Pre-LN and Peri-LN without weight decay, which
+experiments/divergence_by_lr.py reads) is unresolved and says why.
 """
 import json
 import math
@@ -127,6 +127,9 @@ DECIDING = ("pre_llama", "simplenorm_llama")  # (baseline, SimpleNorm)
 READINGS = (("peri", "pre", "Peri-LN is the more stable (divergence_trials)"),
             ("pre_qknorm", "pre", "QK-layernorm lowers S (Wortsman et al.)"),
             ("pre_qknorm_full", "pre", "QK-layernorm lowers S (Wortsman et al.)"),
+            # At one head (d = 32) the scopes are one function: that pair reads rounding noise.
+            ("pre_qknorm_full", "pre_qknorm", "QK-norm's scope, full width against per head "
+             "(parity)"),
             ("peri_dt0.1", "peri", "a residual step dt < 1 steadies Peri-LN further (Stability "
              "under LayerNorm)"),
             ("geonorm", "post", "GeoNorm is the more stable (seq_length)"),

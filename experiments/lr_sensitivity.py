@@ -46,8 +46,9 @@ Seeds: the selection seed (100) first; --seeds=100,101 adds a second whole grid 
 spread of S (its mean and min-max over seeds in the table).
 
 Variants: the GPT-2-backbone placements of the sweeps (pre, pre_qknorm, pre_qknorm_full,
-peri, peri_dt0.1, geonorm, post, deepnorm, ngpt, dyt) and SimpleGPT's comparison on the
-LLaMA backbone (pre_llama, simplenorm_llama, as in lr_tolerance). Judge scale: configs/judge.py.
+peri, peri_dt0.1, geonorm, post, deepnorm, ngpt, dyt; dyt_alpha3 is DyT at alpha_0 = 3, the
+norm zoo's control) and SimpleGPT's comparison on the LLaMA backbone (pre_llama,
+simplenorm_llama, as in lr_tolerance). Judge scale: configs/judge.py.
 Cost on this 2-core machine, measured with two runs at once: a full run takes about 8
 minutes at d = 128, 5.3 at d = 64 and 3.3 at d = 32, so a sweep spends about 4, 2.7 and 1.7
 minutes a run (a narrow run is mostly per-step overhead: d = 32 has 1/16 of d = 128's
@@ -69,11 +70,12 @@ or whenever a deciding optimum is on its grid's edge. The table also reads the o
 claims in these terms (READINGS: Peri-LN against Pre-LN for divergence_trials, QK-norm against
 Pre-LN for Wortsman et al. and its two scopes against each other, Peri-LN with dt = 0.1
 against Peri-LN for the optimal-control paper's dt < 1, GeoNorm against Post-LN for
-seq_length, DeepNorm against Post-LN for DeepNet, DyT and nGPT against Pre-LN for their parity
-claims): the paired difference of S at each width where both grids are complete, then of best
-loss (each seed at its own best LR: a flatter curve is not a better model) for those pairs and
-the deciding one; those do not enter this verdict. A folder whose --variants leave out the
-deciding pair (results/lr_sensitivity_wd0: Pre-LN and Peri-LN without weight decay, which
+seq_length, DeepNorm against Post-LN for DeepNet, DyT (at both alpha_0) and nGPT against
+Pre-LN for their parity claims, DyT's two alpha_0 against each other): the paired difference
+of S at each width where both grids are complete, then of best loss (each seed at its own best
+LR: a flatter curve is not a better model) for those pairs and the deciding one; those do not
+enter this verdict. A folder whose --variants leave out the deciding pair
+(results/lr_sensitivity_wd0: Pre-LN and Peri-LN without weight decay, which
 experiments/divergence_by_lr.py reads) is unresolved and says why.
 """
 import json
@@ -137,6 +139,8 @@ READINGS = (("peri", "pre", "Peri-LN is the more stable (divergence_trials)"),
             # Not claims about S: a difference near 0 is these papers' direction.
             ("dyt", "pre", "DyT stands in for Pre-LN's norms (Transformers without "
              "Normalization: parity)"),
+            ("dyt_alpha3", "pre", "DyT stands in for Pre-LN's norms, at alpha_0 = 3 (parity)"),
+            ("dyt_alpha3", "dyt", "DyT's alpha_0, 3 against the paper's table extrapolated (1.0)"),
             ("ngpt", "pre", "nGPT trains as well as its Pre-LN baseline (nGPT claims speed, "
              "not S: parity)"))
 

@@ -1,0 +1,109 @@
+"""DyT's unigram plateau read against its saturation: does a DyT run sit on the plateau exactly
+while its final DyT is saturated?
+
+  python experiments/dyt_saturation.py [--runs=GLOB,GLOB] [--out=results/dyt_saturation]
+
+DyT (`gamma tanh(alpha x) + beta`) is not scale-invariant as a norm is: once the stream grows,
+tanh saturates, passes little more than signs, and its derivative, hence the gradient through
+it, is near 0. lr_sensitivity's DyT grids (d = 32) have runs that sit on the unigram plateau
+(eval loss ~3.357, the loss of predicting character frequencies) for hundreds of steps or to
+the end, at LRs scattered between runs that learn. Every DyT run logs, with the per-layer
+statistics, the fraction of units of each DyT with |tanh(alpha x)| > 0.99
+(`collapse/tanh_saturated_final` for the DyT before the head). This reads, at every
+evaluation step where both are logged, whether the final DyT is saturated (that fraction above
+--saturated) and whether the run is on the plateau (eval loss above --plateau_loss), and counts
+the four cases per variant. Trains nothing; reads each run folder's metrics.jsonl and
+config.json (runs of other placements are skipped).
+
+The default globs are lr_sensitivity's d = 32 DyT runs under its default root (the LR-grid
+runs of the selection seed and the sweep's of the other seeds); a sweep started with --root=R
+names R instead of runs/claims.
+Writes OUT/{results.csv (run, alpha_0 of the final DyT, lr, seed, step, eval loss, saturated
+fraction, the RMS of the final DyT's input, the two readings), table.md}.
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from geonorm_jax.studies import sweep  # pylint: disable=g-import-not-at-top
+from geonorm_jax.training import metrics  # pylint: disable=g-import-not-at-top
+
+KEY = "collapse/tanh_saturated_final"
+INPUT_RMS = "norm_input_rms/final_norm"  # the RMS of what enters the final DyT
+DEFAULT_RUNS = "runs/claims/lr_grid/d32/dyt*/lr*/seed*,runs/claims/d32/dyt*/lr*/seed*"
+
+
+def run_readings(workdir, saturated, plateau_loss):
+  """Rows of one run: at each eval step with the final DyT's saturation logged, both readings.
+  None for a run that is not DyT."""
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = json.load(f)
+  if config["model"]["placement"] != "dyt":
+    return None
+  by_step = {}
+  for record in metrics.read_metrics(workdir):
+    if record.get("split") == "layers" and KEY in record:
+      by_step.setdefault(record["step"], {}).update(
+          saturated_fraction=record[KEY], input_rms=record.get(INPUT_RMS, float("nan")))
+    elif record.get("split") == "eval" and "loss" in record:
+      by_step.setdefault(record["step"], {})["eval_loss"] = record["loss"]
+  alpha = config["model"]["dyt_alpha_final"] or "paper"  # 0: the paper's table's value
+  return [{"run": workdir, "alpha_0": alpha, "lr": config["train"]["lr"], "seed": config["seed"],
+           "step": step, **values, "saturated": values["saturated_fraction"] > saturated,
+           "on_plateau": values["eval_loss"] > plateau_loss}
+          for step, values in sorted(by_step.items())
+          if "eval_loss" in values and "saturated_fraction" in values]
+
+
+def table(rows, args):
+  counts = {}  # alpha_0 (and "all") -> {(saturated, on the plateau): readings}
+  for row in rows:
+    for group in (str(row["alpha_0"]), "all"):
+      cell = counts.setdefault(group, {})
+      key = (row["saturated"], row["on_plateau"])
+      cell[key] = cell.get(key, 0) + 1
+  lines = [f"Written by `python experiments/dyt_saturation.py --runs={args.runs} "
+           f"--saturated={args.saturated} --plateau_loss={args.plateau_loss}` "
+           f"({len({r['run'] for r in rows})} DyT runs, {len(rows)} readings: one per run and "
+           "evaluation step with the final DyT's saturation logged).", "",
+           f"Saturated: more than {args.saturated:g} of the final DyT's units at |tanh| > 0.99. "
+           f"On the plateau: eval loss above {args.plateau_loss:g} (the unigram loss is about "
+           "3.357; a run still coming down from its initial loss counts too). alpha_0 paper: the "
+           "paper's table's value for the width (1.0 below width 1024).", "",
+           "| alpha_0 of the final DyT | saturated, on the plateau | neither | saturated only "
+           "| on the plateau only | agree |", "|---|---|---|---|---|---|"]
+  for alpha in sorted(set(counts) - {"all"}) + ["all"]:
+    cell = counts[alpha]
+    both, neither = cell.get((True, True), 0), cell.get((False, False), 0)
+    total = sum(cell.values())
+    lines.append(f"| {alpha} | {both} | {neither} | {cell.get((True, False), 0)} | "
+                 f"{cell.get((False, True), 0)} | {both + neither} of {total} |")
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--runs", default=DEFAULT_RUNS, help="comma list of run-folder globs")
+  parser.add_argument("--saturated", type=float, default=0.95)
+  parser.add_argument("--plateau_loss", type=float, default=3.3)
+  parser.add_argument("--out", default="results/dyt_saturation")
+  args = parser.parse_args(argv)
+  workdirs = sorted(w for pattern in args.runs.split(",") for w in glob.glob(pattern)
+                    if os.path.exists(os.path.join(w, "config.json")))
+  rows = [row for w in workdirs for row in run_readings(w, args.saturated, args.plateau_loss)
+          or []]
+  if not rows:
+    raise SystemExit(f"--runs: no DyT run with {KEY} and eval losses under {args.runs}")
+  os.makedirs(args.out, exist_ok=True)
+  sweep.write_csv(os.path.join(args.out, "results.csv"), rows)
+  text = table(rows, args)
+  with open(os.path.join(args.out, "table.md"), "w") as f:
+    f.write(text)
+  print(text)
+
+
+if __name__ == "__main__":
+  main()

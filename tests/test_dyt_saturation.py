@@ -1,0 +1,60 @@
+"""dyt_saturation: the final DyT's saturation read against the plateau, per evaluation step,
+against a hand count on constructed run folders. Nothing here trains."""
+import csv
+import json
+
+import pytest
+
+from geonorm_jax.studies import claims
+
+
+def _run(path, placement, alpha, records):
+  path.mkdir(parents=True)
+  (path / "config.json").write_text(json.dumps(
+      {"seed": 101, "train": {"lr": 0.016},
+       "model": {"placement": placement, "dyt_alpha_final": alpha}}))
+  (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def _layers(step, fraction):
+  return {"step": step, "split": "layers", "collapse/tanh_saturated_final": fraction,
+          "norm_input_rms/final_norm": 10 * fraction}
+
+
+def _eval(step, loss):
+  return {"step": step, "split": "eval", "loss": loss}
+
+
+def test_counts_each_eval_step_where_both_are_logged(tmp_path):
+  experiment = claims.load_experiment("dyt_saturation")
+  _run(tmp_path / "dyt" / "a", "dyt", 0.0, [
+      _layers(250, 1.0), _eval(250, 3.36),    # saturated, on the plateau
+      _layers(500, 0.99), _eval(500, 2.9),    # saturated only
+      _layers(750, 0.10), _eval(750, 2.4),    # neither
+      _eval(1000, 2.2)])                      # no saturation logged: not read
+  _run(tmp_path / "dyt" / "b", "dyt", 3.0, [
+      _layers(250, 0.5), _eval(250, 3.4),     # on the plateau only
+      _layers(500, 0.96), _eval(500, 3.31)])  # both
+  _run(tmp_path / "dyt" / "c", "pre", 0.0, [_layers(250, 1.0), _eval(250, 3.4)])  # skipped
+  out = tmp_path / "out"
+  experiment.main([f"--runs={tmp_path}/dyt/*", f"--out={out}"])
+  with open(out / "results.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert [(r["alpha_0"], r["step"], r["saturated"], r["on_plateau"]) for r in rows] == [
+      ("paper", "250", "True", "True"), ("paper", "500", "True", "False"),
+      ("paper", "750", "False", "False"), ("3.0", "250", "False", "True"),
+      ("3.0", "500", "True", "True")]
+  assert [float(r["input_rms"]) for r in rows] == pytest.approx([10, 9.9, 1, 5, 9.6])
+  table = (out / "table.md").read_text()
+  assert "(2 DyT runs, 5 readings" in table
+  assert "| 3.0 | 1 | 0 | 0 | 1 | 1 of 2 |" in table
+  assert "| paper | 1 | 1 | 1 | 0 | 2 of 3 |" in table
+  assert "| all | 2 | 1 | 1 | 1 | 3 of 5 |" in table
+
+
+def test_no_dyt_run_is_one_error_naming_the_flag(tmp_path):
+  experiment = claims.load_experiment("dyt_saturation")
+  _run(tmp_path / "c", "pre", 0.0, [_layers(250, 1.0), _eval(250, 3.4)])
+  with pytest.raises(SystemExit, match="--runs"):
+    experiment.main([f"--runs={tmp_path}/*", f"--out={tmp_path / 'out'}"])
+  assert not (tmp_path / "out").exists()

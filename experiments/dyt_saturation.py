@@ -12,7 +12,7 @@ statistics, the fraction of units of each DyT with |tanh(alpha x)| > 0.99
 (`collapse/tanh_saturated_final` for the DyT before the head). This reads, at every
 evaluation step where both are logged, whether the final DyT is saturated (that fraction above
 --saturated) and whether the run is on the plateau (eval loss above --plateau_loss), and counts
-the four cases per variant. Trains nothing; reads each run folder's metrics.jsonl and
+the four cases per alpha_0 of the final DyT. Trains nothing; reads each run folder's metrics.jsonl and
 config.json (runs of other placements are skipped).
 
 The default globs are lr_sensitivity's d = 32 DyT runs under its default root (the LR-grid
@@ -37,12 +37,12 @@ DEFAULT_RUNS = "runs/claims/lr_grid/d32/dyt*/lr*/seed*,runs/claims/d32/dyt*/lr*/
 
 
 def run_readings(workdir, saturated, plateau_loss):
-  """Rows of one run: at each eval step with the final DyT's saturation logged, both readings.
-  None for a run that is not DyT."""
+  """Rows of one run: at each eval step with the final DyT's saturation logged, both readings
+  (none for a run that is not DyT)."""
   with open(os.path.join(workdir, "config.json")) as f:
     config = json.load(f)
   if config["model"]["placement"] != "dyt":
-    return None
+    return []
   by_step = {}
   for record in metrics.read_metrics(workdir):
     if record.get("split") == "layers" and KEY in record:
@@ -93,8 +93,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   workdirs = sorted(w for pattern in args.runs.split(",") for w in glob.glob(pattern)
                     if os.path.exists(os.path.join(w, "config.json")))
-  rows = [row for w in workdirs for row in run_readings(w, args.saturated, args.plateau_loss)
-          or []]
+  rows = [row for w in workdirs for row in run_readings(w, args.saturated, args.plateau_loss)]
   if not rows:
     raise SystemExit(f"--runs: no DyT run with {KEY} and eval losses under {args.runs}")
   os.makedirs(args.out, exist_ok=True)

@@ -224,7 +224,8 @@ PLACEMENT_VARIANTS = {
     "ngpt": "placement=ngpt",
     "dyt": "placement=dyt",
     # DyT with alpha_0 = 3 at every site: the norm zoo's controls (results/norm_zoo/controls)
-    # found the paper's table extrapolated to our widths (1.0) leaves tanh nearly linear.
+    # found that the paper's table extrapolated to d = 128 (1.0) leaves tanh nearly linear at
+    # init there (results/lr_sensitivity reads it at other widths).
     "dyt_alpha3": "placement=dyt,dyt_alpha_attn=3,dyt_alpha_ffn=3,dyt_alpha_final=3",
 }
 

@@ -46,9 +46,10 @@ Seeds: the selection seed (100) first; --seeds=100,101 adds a second whole grid 
 spread of S (its mean and min-max over seeds in the table).
 
 Variants: the GPT-2-backbone placements of the sweeps (pre, pre_qknorm, pre_qknorm_full,
-peri, peri_dt0.1, geonorm, post, deepnorm, ngpt, dyt; dyt_alpha3 is DyT at alpha_0 = 3, the
-norm zoo's control) and SimpleGPT's comparison on the LLaMA backbone (pre_llama,
-simplenorm_llama, as in lr_tolerance). Judge scale: configs/judge.py.
+peri, peri_dt0.1, geonorm, post, deepnorm, ngpt, dyt; dyt_alpha3 and dyt_alpha0.5 are DyT
+at alpha_0 = 3, the norm zoo's control, and 0.5, dyt_saturation's counter-test) and
+SimpleGPT's comparison on the LLaMA backbone (pre_llama, simplenorm_llama, as in
+lr_tolerance). Judge scale: configs/judge.py.
 Cost on this 2-core machine, measured with two runs at once: a full run takes about 8
 minutes at d = 128, 5.3 at d = 64 and 3.3 at d = 32, so a sweep spends about 4, 2.7 and 1.7
 minutes a run (a narrow run is mostly per-step overhead: d = 32 has 1/16 of d = 128's
@@ -141,6 +142,9 @@ READINGS = (("peri", "pre", "Peri-LN is the more stable (divergence_trials)"),
              "Normalization: parity)"),
             ("dyt_alpha3", "pre", "DyT stands in for Pre-LN's norms, at alpha_0 = 3 (parity)"),
             ("dyt_alpha3", "dyt", "DyT's alpha_0, 3 against the paper's table extrapolated (1.0)"),
+            # If DyT's plateau is saturation, a smaller alpha_0 takes a larger stream to reach it.
+            ("dyt_alpha0.5", "dyt", "DyT's alpha_0, 0.5 against the paper's table extrapolated "
+             "(1.0)"),
             ("ngpt", "pre", "nGPT trains as well as its Pre-LN baseline (nGPT claims speed, "
              "not S: parity)"))
 

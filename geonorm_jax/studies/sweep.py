@@ -227,6 +227,9 @@ PLACEMENT_VARIANTS = {
     # found that the paper's table extrapolated to d = 128 (1.0) leaves tanh nearly linear at
     # init there (results/lr_sensitivity reads it at other widths).
     "dyt_alpha3": "placement=dyt,dyt_alpha_attn=3,dyt_alpha_ffn=3,dyt_alpha_final=3",
+    # DyT with alpha_0 = 0.5 at every site (the DyT paper's default outside LLMs): tanh saturates
+    # at twice the stream's RMS of alpha_0 = 1, the counter-test of dyt_saturation's reading.
+    "dyt_alpha0.5": "placement=dyt,dyt_alpha_attn=0.5,dyt_alpha_ffn=0.5,dyt_alpha_final=0.5",
 }
 
 

@@ -19,15 +19,19 @@ The default globs are lr_sensitivity's d = 32 DyT runs under its default root (t
 runs of the selection seed and the sweep's of the other seeds); a sweep started with --root=R
 names R instead of runs/claims.
 Writes OUT/{results.csv (run, alpha_0 of the final DyT, lr, seed, step, eval loss, saturated
-fraction, the RMS of the final DyT's input, the two readings), table.md}.
+fraction, the RMS of the final DyT's input, the two readings), table.md (the counts, and
+per LR and alpha_0 the final DyT's input RMS at --early_step: does the stream's growth
+follow alpha_0?)}.
 """
 import argparse
 import glob
 import json
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from geonorm_jax.nn import placements  # pylint: disable=g-import-not-at-top
 from geonorm_jax.studies import sweep  # pylint: disable=g-import-not-at-top
 from geonorm_jax.training import metrics  # pylint: disable=g-import-not-at-top
 
@@ -50,7 +54,9 @@ def run_readings(workdir, saturated, plateau_loss):
           saturated_fraction=record[KEY], input_rms=record.get(INPUT_RMS, float("nan")))
     elif record.get("split") == "eval" and "loss" in record:
       by_step.setdefault(record["step"], {})["eval_loss"] = record["loss"]
-  alpha = config["model"]["dyt_alpha_final"] or "paper"  # 0: the paper's table's value
+  model = config["model"]
+  alpha = model["dyt_alpha_final"] or placements.dyt_authors_alphas(  # 0: the paper's table's
+      model["d_model"], model["num_layers"])[2]
   return [{"run": workdir, "alpha_0": alpha, "lr": config["train"]["lr"], "seed": config["seed"],
            "step": step, **values, "saturated": values["saturated_fraction"] > saturated,
            "on_plateau": values["eval_loss"] > plateau_loss}
@@ -61,7 +67,7 @@ def run_readings(workdir, saturated, plateau_loss):
 def table(rows, args):
   counts = {}  # alpha_0 (and "all") -> {(saturated, on the plateau): readings}
   for row in rows:
-    for group in (str(row["alpha_0"]), "all"):
+    for group in (f"{row['alpha_0']:g}", "all"):
       cell = counts.setdefault(group, {})
       key = (row["saturated"], row["on_plateau"])
       cell[key] = cell.get(key, 0) + 1
@@ -71,17 +77,47 @@ def table(rows, args):
            "evaluation step with the final DyT's saturation logged).", "",
            f"Saturated: more than {args.saturated:g} of the final DyT's units at |tanh| > 0.99. "
            f"On the plateau: eval loss above {args.plateau_loss:g} (the unigram loss is about "
-           "3.357; a run still coming down from its initial loss counts too). alpha_0 paper: the "
-           "paper's table's value for the width (1.0 below width 1024).", "",
+           "3.357; a run still coming down from its initial loss counts too). alpha_0: the run's, "
+           "or the paper's table's value for its width where the run left it to the table (1 "
+           "below width 1024).", "",
            "| alpha_0 of the final DyT | saturated, on the plateau | neither | saturated only "
            "| on the plateau only | agree |", "|---|---|---|---|---|---|"]
-  for alpha in sorted(set(counts) - {"all"}) + ["all"]:
+  for alpha in sorted(set(counts) - {"all"}, key=float) + ["all"]:
     cell = counts[alpha]
     both, neither = cell.get((True, True), 0), cell.get((False, False), 0)
     total = sum(cell.values())
     lines.append(f"| {alpha} | {both} | {neither} | {cell.get((True, False), 0)} | "
                  f"{cell.get((False, True), 0)} | {both + neither} of {total} |")
-  return "\n".join(lines) + "\n"
+  return "\n".join(lines + [""] + early_growth(rows, args.early_step)) + "\n"
+
+
+def early_growth(rows, step):
+  """Table lines: per LR and alpha_0, the final DyT's input RMS at one early evaluation step
+  (median over seeds). If the stream grew by itself, the RMS would not depend on alpha_0; if
+  training drove the final DyT to one degree of saturation, alpha_0 x RMS would not."""
+  cells = {}  # (lr, alpha_0) -> [(input RMS, saturated)] over seeds
+  for row in rows:
+    if row["step"] == step:
+      cells.setdefault((row["lr"], row["alpha_0"]), []).append(
+          (row["input_rms"], row["saturated"]))
+  alphas = sorted({alpha for _, alpha in cells})
+  lines = [f"The final DyT's input RMS at step {step}, median over seeds (alpha is learnable: "
+           "alpha_0 x RMS is the argument's scale before alpha moves), and how many of the "
+           "seeds' runs are saturated there:", "",
+           "| lr | " + " | ".join(f"alpha_0 {a:g}: RMS, alpha_0 x RMS, saturated"
+                                  for a in alphas) + " |",
+           "|---|" + "---|" * len(alphas)]
+  for lr in sorted({lr for lr, _ in cells}):
+    row = []
+    for alpha in alphas:
+      cell = cells.get((lr, alpha))
+      if cell is None:
+        row.append("-")
+        continue
+      median = statistics.median(rms for rms, _ in cell)
+      row.append(f"{median:.3g}, {alpha * median:.3g}, {sum(s for _, s in cell)} of {len(cell)}")
+    lines.append(f"| {lr:g} | " + " | ".join(row) + " |")
+  return lines
 
 
 def main(argv=None):
@@ -89,6 +125,8 @@ def main(argv=None):
   parser.add_argument("--runs", default=DEFAULT_RUNS, help="comma list of run-folder globs")
   parser.add_argument("--saturated", type=float, default=0.95)
   parser.add_argument("--plateau_loss", type=float, default=3.3)
+  parser.add_argument("--early_step", type=int, default=250,
+                      help="the evaluation step the input-RMS table reads")
   parser.add_argument("--out", default="results/dyt_saturation")
   args = parser.parse_args(argv)
   workdirs = sorted(w for pattern in args.runs.split(",") for w in glob.glob(pattern)

@@ -12,7 +12,8 @@ def _run(path, placement, alpha, records):
   path.mkdir(parents=True)
   (path / "config.json").write_text(json.dumps(
       {"seed": 101, "train": {"lr": 0.016},
-       "model": {"placement": placement, "dyt_alpha_final": alpha}}))
+       "model": {"placement": placement, "dyt_alpha_final": alpha, "d_model": 32,
+                 "num_layers": 4}}))
   (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
@@ -35,21 +36,26 @@ def test_counts_each_eval_step_where_both_are_logged(tmp_path):
   _run(tmp_path / "dyt" / "b", "dyt", 3.0, [
       _layers(250, 0.5), _eval(250, 3.4),     # on the plateau only
       _layers(500, 0.96), _eval(500, 3.31)])  # both
+  _run(tmp_path / "dyt" / "b2", "dyt", 3.0, [_layers(250, 0.3), _eval(250, 3.4)])
   _run(tmp_path / "dyt" / "c", "pre", 0.0, [_layers(250, 1.0), _eval(250, 3.4)])  # skipped
   out = tmp_path / "out"
   experiment.main([f"--runs={tmp_path}/dyt/*", f"--out={out}"])
   with open(out / "results.csv") as f:
     rows = list(csv.DictReader(f))
   assert [(r["alpha_0"], r["step"], r["saturated"], r["on_plateau"]) for r in rows] == [
-      ("paper", "250", "True", "True"), ("paper", "500", "True", "False"),
-      ("paper", "750", "False", "False"), ("3.0", "250", "False", "True"),
-      ("3.0", "500", "True", "True")]
-  assert [float(r["input_rms"]) for r in rows] == pytest.approx([10, 9.9, 1, 5, 9.6])
+      # 0 at d = 32: the paper's table's value there, 1.
+      ("1.0", "250", "True", "True"), ("1.0", "500", "True", "False"),
+      ("1.0", "750", "False", "False"), ("3.0", "250", "False", "True"),
+      ("3.0", "500", "True", "True"), ("3.0", "250", "False", "True")]
+  assert [float(r["input_rms"]) for r in rows] == pytest.approx([10, 9.9, 1, 5, 9.6, 3])
   table = (out / "table.md").read_text()
-  assert "(2 DyT runs, 5 readings" in table
-  assert "| 3.0 | 1 | 0 | 0 | 1 | 1 of 2 |" in table
-  assert "| paper | 1 | 1 | 1 | 0 | 2 of 3 |" in table
-  assert "| all | 2 | 1 | 1 | 1 | 3 of 5 |" in table
+  assert "(3 DyT runs, 6 readings" in table
+  assert "| 1 | 1 | 1 | 1 | 0 | 2 of 3 |" in table
+  assert "| 3 | 1 | 0 | 0 | 2 | 1 of 3 |" in table
+  assert "| all | 2 | 1 | 1 | 2 | 3 of 6 |" in table
+  # Step 250 at lr 0.016: alpha_0 1 one run (RMS 10, saturated); alpha_0 3 two (RMS 5 and 3,
+  # median 4, neither saturated).
+  assert "| 0.016 | 10, 10, 1 of 1 | 4, 12, 0 of 2 |" in table
 
 
 def test_no_dyt_run_is_one_error_naming_the_flag(tmp_path):

@@ -142,6 +142,8 @@ READINGS = (("peri", "pre", "Peri-LN is the more stable (divergence_trials)"),
              "Normalization: parity)"),
             ("dyt_alpha3", "pre", "DyT stands in for Pre-LN's norms, at alpha_0 = 3 (parity)"),
             ("dyt_alpha3", "dyt", "DyT's alpha_0, 3 against the paper's table extrapolated (1.0)"),
+            ("dyt_alpha0.5", "pre", "DyT stands in for Pre-LN's norms, at alpha_0 = 0.5 "
+             "(parity)"),
             # If DyT's plateau is saturation, a smaller alpha_0 takes a larger stream to reach it.
             ("dyt_alpha0.5", "dyt", "DyT's alpha_0, 0.5 against the paper's table extrapolated "
              "(1.0)"),

@@ -223,9 +223,9 @@ PLACEMENT_VARIANTS = {
     "mixln": "placement=mixln",
     "ngpt": "placement=ngpt",
     "dyt": "placement=dyt",
-    # DyT with alpha_0 = 3 at every site: the norm zoo's controls (results/norm_zoo/controls)
-    # found that the paper's table extrapolated to d = 128 (1.0) leaves tanh nearly linear at
-    # init there (results/lr_sensitivity reads it at other widths).
+    # DyT with alpha_0 = 3 at every site: the norm zoo's controls (results/norm_zoo/controls),
+    # which left the unigram plateau at d = 128 where the paper's table extrapolated (1.0) did
+    # not (results/dyt_saturation_d128 reads why; results/lr_sensitivity, other widths).
     "dyt_alpha3": "placement=dyt,dyt_alpha_attn=3,dyt_alpha_ffn=3,dyt_alpha_final=3",
     # DyT with alpha_0 = 0.5 at every site (the DyT paper's default outside LLMs): tanh saturates
     # at twice the stream's RMS of alpha_0 = 1, the counter-test of dyt_saturation's reading.

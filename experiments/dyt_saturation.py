@@ -12,8 +12,8 @@ statistics, the fraction of units of each DyT with |tanh(alpha x)| > 0.99
 (`collapse/tanh_saturated_final` for the DyT before the head). This reads, at every
 evaluation step where both are logged, whether the final DyT is saturated (that fraction above
 --saturated) and whether the run is on the plateau (eval loss above --plateau_loss), and counts
-the four cases per alpha_0 of the final DyT. Trains nothing; reads each run folder's metrics.jsonl and
-config.json (runs of other placements are skipped).
+the four cases per alpha_0 of the final DyT. Trains nothing; reads each run folder's
+metrics.jsonl and config.json (runs of other placements are skipped).
 
 The default globs are lr_sensitivity's d = 32 DyT runs under its default root (the LR-grid
 runs of the selection seed and the sweep's of the other seeds); a sweep started with --root=R
@@ -54,9 +54,9 @@ def run_readings(workdir, saturated, plateau_loss):
           saturated_fraction=record[KEY], input_rms=record.get(INPUT_RMS, float("nan")))
     elif record.get("split") == "eval" and "loss" in record:
       by_step.setdefault(record["step"], {})["eval_loss"] = record["loss"]
-  model = config["model"]
-  alpha = model["dyt_alpha_final"] or placements.dyt_authors_alphas(  # 0: the paper's table's
-      model["d_model"], model["num_layers"])[2]
+  model = config["model"]  # dyt_alpha_final 0: the paper's table's value, as the model resolves it
+  alpha = model["dyt_alpha_final"] or placements.dyt_authors_alphas(model["d_model"],
+                                                                    model["num_layers"])[2]
   return [{"run": workdir, "alpha_0": alpha, "lr": config["train"]["lr"], "seed": config["seed"],
            "step": step, **values, "saturated": values["saturated_fraction"] > saturated,
            "on_plateau": values["eval_loss"] > plateau_loss}

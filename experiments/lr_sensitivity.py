@@ -147,6 +147,10 @@ READINGS = (("peri", "pre", "Peri-LN is the more stable (divergence_trials)"),
             # If DyT's plateau is saturation, a smaller alpha_0 takes a larger stream to reach it.
             ("dyt_alpha0.5", "dyt", "DyT's alpha_0, 0.5 against the paper's table extrapolated "
              "(1.0)"),
+            ("dyt_warmup500", "dyt", "DyT's warmup, 500 steps against 100 (the growth held "
+             "back early)"),
+            ("dyt_warmup500", "pre", "DyT stands in for Pre-LN's norms, with a 500-step warmup "
+             "(parity)"),
             ("ngpt", "pre", "nGPT trains as well as its Pre-LN baseline (nGPT claims speed, "
              "not S: parity)"))
 

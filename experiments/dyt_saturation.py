@@ -12,8 +12,9 @@ statistics, the fraction of units of each DyT with |tanh(alpha x)| > 0.99
 (`collapse/tanh_saturated_final` for the DyT before the head). This reads, at every
 evaluation step where both are logged, whether the final DyT is saturated (that fraction above
 --saturated) and whether the run is on the plateau (eval loss above --plateau_loss), and counts
-the four cases per alpha_0 of the final DyT. Trains nothing; reads each run folder's
-metrics.jsonl and config.json (runs of other placements are skipped).
+the four cases per alpha_0 of the final DyT (and per warmup, where the runs' warmups differ).
+Trains nothing; reads each run folder's metrics.jsonl and config.json (runs of other
+placements are skipped).
 
 The default globs are lr_sensitivity's d = 32 DyT runs under its default root (the LR-grid
 runs of the selection seed and the sweep's of the other seeds); a sweep started with --root=R
@@ -57,17 +58,29 @@ def run_readings(workdir, saturated, plateau_loss):
   model = config["model"]  # dyt_alpha_final 0: the paper's table's value, as the model resolves it
   alpha = model["dyt_alpha_final"] or placements.dyt_authors_alphas(model["d_model"],
                                                                     model["num_layers"])[2]
-  return [{"run": workdir, "alpha_0": alpha, "lr": config["train"]["lr"], "seed": config["seed"],
-           "step": step, **values, "saturated": values["saturated_fraction"] > saturated,
+  return [{"run": workdir, "alpha_0": alpha, "warmup_steps": config["train"]["warmup_steps"],
+           "lr": config["train"]["lr"], "seed": config["seed"], "step": step, **values,
+           "saturated": values["saturated_fraction"] > saturated,
            "on_plateau": values["eval_loss"] > plateau_loss}
           for step, values in sorted(by_step.items())
           if "eval_loss" in values and "saturated_fraction" in values]
 
 
+def settings(rows):
+  """Each row's group: its alpha_0, and its warmup where the runs' warmups differ (another way
+  to hold the stream's early growth back), in table order."""
+  by_warmup = len({row["warmup_steps"] for row in rows}) > 1
+  def name(row):
+    return f"{row['alpha_0']:g}" + (f", warmup {row['warmup_steps']}" if by_warmup else "")
+  order = sorted({(row["alpha_0"], row["warmup_steps"], name(row)) for row in rows})
+  return name, [label for _, _, label in order]
+
+
 def table(rows, args):
-  counts = {}  # alpha_0 (and "all") -> {(saturated, on the plateau): readings}
+  name, order = settings(rows)
+  counts = {}  # setting (and "all") -> {(saturated, on the plateau): readings}
   for row in rows:
-    for group in (f"{row['alpha_0']:g}", "all"):
+    for group in (name(row), "all"):
       cell = counts.setdefault(group, {})
       key = (row["saturated"], row["on_plateau"])
       cell[key] = cell.get(key, 0) + 1
@@ -82,40 +95,42 @@ def table(rows, args):
            "below width 1024).", "",
            "| alpha_0 of the final DyT | saturated, on the plateau | neither | saturated only "
            "| on the plateau only | agree |", "|---|---|---|---|---|---|"]
-  for alpha in sorted(set(counts) - {"all"}, key=float) + ["all"]:
-    cell = counts[alpha]
+  for group in order + ["all"]:
+    cell = counts[group]
     both, neither = cell.get((True, True), 0), cell.get((False, False), 0)
     total = sum(cell.values())
-    lines.append(f"| {alpha} | {both} | {neither} | {cell.get((True, False), 0)} | "
+    lines.append(f"| {group} | {both} | {neither} | {cell.get((True, False), 0)} | "
                  f"{cell.get((False, True), 0)} | {both + neither} of {total} |")
-  return "\n".join(lines + [""] + early_growth(rows, args.early_step)) + "\n"
+  return "\n".join(lines + [""] + early_growth(rows, args.early_step, name, order)) + "\n"
 
 
-def early_growth(rows, step):
-  """Table lines: per LR and alpha_0, the final DyT's input RMS at one early evaluation step
+def early_growth(rows, step, name, order):
+  """Table lines: per LR and setting, the final DyT's input RMS at one early evaluation step
   (median over seeds). If the stream grew by itself, the RMS would not depend on alpha_0; if
   training drove the final DyT to one degree of saturation, alpha_0 x RMS would not."""
-  cells = {}  # (lr, alpha_0) -> [(input RMS, saturated)] over seeds
+  cells = {}  # (lr, setting) -> [(input RMS, saturated)] over seeds
+  alpha_of = {}
   for row in rows:
+    alpha_of[name(row)] = row["alpha_0"]
     if row["step"] == step:
-      cells.setdefault((row["lr"], row["alpha_0"]), []).append(
-          (row["input_rms"], row["saturated"]))
-  alphas = sorted({alpha for _, alpha in cells})
+      cells.setdefault((row["lr"], name(row)), []).append((row["input_rms"], row["saturated"]))
+  groups = [group for group in order if any(g == group for _, g in cells)]
   lines = [f"The final DyT's input RMS at step {step}, median over seeds (alpha is learnable: "
            "alpha_0 x RMS is the argument's scale before alpha moves), and how many of the "
            "seeds' runs are saturated there:", "",
-           "| lr | " + " | ".join(f"alpha_0 {a:g}: RMS, alpha_0 x RMS, saturated"
-                                  for a in alphas) + " |",
-           "|---|" + "---|" * len(alphas)]
+           "| lr | " + " | ".join(f"alpha_0 {g}: RMS, alpha_0 x RMS, saturated"
+                                  for g in groups) + " |",
+           "|---|" + "---|" * len(groups)]
   for lr in sorted({lr for lr, _ in cells}):
     row = []
-    for alpha in alphas:
-      cell = cells.get((lr, alpha))
+    for group in groups:
+      cell = cells.get((lr, group))
       if cell is None:
         row.append("-")
         continue
       median = statistics.median(rms for rms, _ in cell)
-      row.append(f"{median:.3g}, {alpha * median:.3g}, {sum(s for _, s in cell)} of {len(cell)}")
+      saturated = sum(s for _, s in cell)
+      row.append(f"{median:.3g}, {alpha_of[group] * median:.3g}, {saturated} of {len(cell)}")
     lines.append(f"| {lr:g} | " + " | ".join(row) + " |")
   return lines
 

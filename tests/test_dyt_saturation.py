@@ -8,10 +8,10 @@ import pytest
 from geonorm_jax.studies import claims
 
 
-def _run(path, placement, alpha, records):
+def _run(path, placement, alpha, records, warmup=100):
   path.mkdir(parents=True)
   (path / "config.json").write_text(json.dumps(
-      {"seed": 101, "train": {"lr": 0.016},
+      {"seed": 101, "train": {"lr": 0.016, "warmup_steps": warmup},
        "model": {"placement": placement, "dyt_alpha_final": alpha, "d_model": 32,
                  "num_layers": 4}}))
   (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -56,6 +56,20 @@ def test_counts_each_eval_step_where_both_are_logged(tmp_path):
   # Step 250 at lr 0.016: alpha_0 1 one run (RMS 10, saturated); alpha_0 3 two (RMS 5 and 3,
   # median 4, neither saturated).
   assert "| 0.016 | 10, 10, 1 of 1 | 4, 12, 0 of 2 |" in table
+
+
+def test_a_different_warmup_is_its_own_group(tmp_path):
+  experiment = claims.load_experiment("dyt_saturation")
+  _run(tmp_path / "dyt" / "a", "dyt", 1.0, [_layers(250, 1.0), _eval(250, 3.36)])
+  _run(tmp_path / "dyt" / "w", "dyt", 1.0, [_layers(250, 0.5), _eval(250, 3.2)], warmup=500)
+  experiment.main([f"--runs={tmp_path}/dyt/*", f"--out={tmp_path / 'out'}"])
+  table = (tmp_path / "out" / "table.md").read_text()
+  assert "| 1, warmup 100 | 1 | 0 | 0 | 0 | 1 of 1 |" in table
+  assert "| 1, warmup 500 | 0 | 1 | 0 | 0 | 1 of 1 |" in table
+  assert "| all | 1 | 1 | 0 | 0 | 2 of 2 |" in table
+  assert ("| lr | alpha_0 1, warmup 100: RMS, alpha_0 x RMS, saturated | alpha_0 1, warmup 500: "
+          "RMS, alpha_0 x RMS, saturated |") in table
+  assert "| 0.016 | 10, 10, 1 of 1 | 5, 5, 0 of 1 |" in table
 
 
 def test_no_dyt_run_is_one_error_naming_the_flag(tmp_path):

@@ -230,8 +230,9 @@ PLACEMENT_VARIANTS = {
     # DyT with alpha_0 = 0.5 at every site (the DyT paper's default outside LLMs): tanh saturates
     # at twice the stream's RMS of alpha_0 = 1, the counter-test of dyt_saturation's reading.
     "dyt_alpha0.5": "placement=dyt,dyt_alpha_attn=0.5,dyt_alpha_ffn=0.5,dyt_alpha_final=0.5",
-    # DyT with a 500-step warmup (the judge recipe's is 100): the stream grows to saturate the
-    # final DyT by step 250 at every LR (results/dyt_saturation); does a slower start hold it?
+    # DyT with a 500-step warmup (the judge recipe's is 100), holding back the stream's growth
+    # that saturates the final DyT: at step 250 the growth is about halved, and every run from
+    # 5e-4 up is still saturated (results/dyt_saturation).
     "dyt_warmup500": "placement=dyt,train.warmup_steps=500",
 }
 

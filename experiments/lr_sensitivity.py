@@ -47,7 +47,8 @@ spread of S (its mean and min-max over seeds in the table).
 
 Variants: the GPT-2-backbone placements of the sweeps (pre, pre_qknorm, pre_qknorm_full,
 peri, peri_dt0.1, geonorm, post, deepnorm, ngpt, dyt; dyt_alpha3 and dyt_alpha0.5 are DyT
-at alpha_0 = 3, the norm zoo's control, and 0.5, dyt_saturation's counter-test) and
+at alpha_0 = 3, the norm zoo's control, and 0.5, dyt_saturation's counter-test, and
+dyt_warmup500 DyT with a 500-step warmup, the stream's early growth held back) and
 SimpleGPT's comparison on the LLaMA backbone (pre_llama, simplenorm_llama, as in
 lr_tolerance). Judge scale: configs/judge.py.
 Cost on this 2-core machine, measured with two runs at once: a full run takes about 8
@@ -71,11 +72,11 @@ or whenever a deciding optimum is on its grid's edge. The table also reads the o
 claims in these terms (READINGS: Peri-LN against Pre-LN for divergence_trials, QK-norm against
 Pre-LN for Wortsman et al. and its two scopes against each other, Peri-LN with dt = 0.1
 against Peri-LN for the optimal-control paper's dt < 1, GeoNorm against Post-LN for
-seq_length, DeepNorm against Post-LN for DeepNet, DyT (at both alpha_0) and nGPT against
-Pre-LN for their parity claims, DyT's two alpha_0 against each other): the paired difference
-of S at each width where both grids are complete, then of best loss (each seed at its own best
-LR: a flatter curve is not a better model) for those pairs and the deciding one; those do not
-enter this verdict. A folder whose --variants leave out the deciding pair
+seq_length, DeepNorm against Post-LN for DeepNet, DyT (at each alpha_0 and warmup) and nGPT
+against Pre-LN for their parity claims, each DyT setting against the paper's): the paired
+difference of S at each width where both grids are complete, then of best loss (each seed at
+its own best LR: a flatter curve is not a better model) for those pairs and the deciding one;
+those do not enter this verdict. A folder whose --variants leave out the deciding pair
 (results/lr_sensitivity_wd0: Pre-LN and Peri-LN without weight decay, which
 experiments/divergence_by_lr.py reads) is unresolved and says why.
 """

@@ -62,7 +62,7 @@ SCALES = {
                           "GPT-2 124M's width (768, 12 heads), OpenWebText, trained 20k steps "
                           "x 480 x 1024 tokens (configs/gpt2.py)."),
 }
-CURVES = (("layers", "residual_rms/layer_"),)
+CURVES = (("layers", "residual_rms/layer_*"),)
 FLAT_RATIO = 1.5
 
 

@@ -58,7 +58,7 @@ SCALES = {
                           "GeoNorm's 125M (12 x 768, RoPE, untied), 20k steps x 0.5M tokens "
                           "(configs/geonorm_paper.py); one stated LR."),
 }
-CURVES = (("train", "loss"), ("train", "grad_norm/layer_"), ("train", "update_ratio/layer_"))
+CURVES = (("train", "loss"), ("train", "grad_norm/layer_*"), ("train", "update_ratio/layer_*"))
 
 
 def add_arguments(parser):

@@ -1,6 +1,7 @@
 """A stand-in for sweep.execute in tests of the claims protocol: it "trains" each unfinished
 run at once by writing what `train` leaves in a workdir (config.json, metrics.jsonl with the
-eval loss, summary.json), with a final loss that the test computes from the run."""
+eval loss and a train record whose keys share prefixes, summary.json), with a final loss that
+the test computes from the run."""
 import json
 import os
 
@@ -25,6 +26,9 @@ def execute(trained, loss_of, unfinished=(), check=None):
       with open(os.path.join(run.workdir, metrics.METRICS_FILENAME), "w") as f:
         for step in (5, 10):
           f.write(json.dumps({"split": "eval", "step": step, "loss": loss + 1 / step}) + "\n")
+        f.write(json.dumps({"split": "train", "step": 10, "loss": loss, "loss_z": 0.5,
+                            "grad_norm": 1.0, "grad_norm/layer_00": 0.6,
+                            "grad_norm/layer_01": 0.8}) + "\n")
       with open(os.path.join(run.workdir, "summary.json"), "w") as f:
         json.dump({"final_eval_loss": loss, "final_train_loss": loss - 0.1, "final_step": 10,
                    "tokens_per_s": 100.0}, f)

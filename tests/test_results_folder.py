@@ -172,3 +172,22 @@ def test_a_record_that_may_have_given_up_is_not_a_full_run():
   never_could = results_folder.Recorded("norm_zoo", "configs/judge.py", overrides, row, ())
   assert results_folder.same_run(never_could, dataclasses.replace(
       full_run, overrides=overrides + ",give_up_steps=100"))
+
+
+def test_curves_csv_holds_the_keys_curves_names_and_no_more(monkeypatch, tmp_path):
+  """A CURVES key is exact ("loss" is not the spike z-score "loss_z") or an fnmatch pattern;
+  a record carried from a folder written when a key was a prefix loses what it no longer
+  names."""
+  experiment = _experiment("layers", curves=(("train", "loss"), ("train", "grad_norm/layer_*")))
+  out = tmp_path / "results"
+  _run(monkeypatch, tmp_path / "machine1", out, experiment=experiment)
+  rows, curves, _ = _folder(out)
+  wanted = {("train", "loss"), ("train", "grad_norm/layer_00"), ("train", "grad_norm/layer_01")}
+  assert {(c["split"], c["key"]) for c in curves} == wanted
+  assert len(curves) == 3 * len(rows)
+  extra = [{**c, "key": "loss_z", "value": 0.5} for c in curves if c["key"] == "loss"]
+  sweep.write_csv(out / "curves.csv", curves + extra)
+  assert _run(monkeypatch, tmp_path / "machine2", out, experiment=experiment) == []
+  _, carried, config = _folder(out)
+  assert set(config["recorded"]) == {row["name"] for row in rows}
+  assert carried == curves

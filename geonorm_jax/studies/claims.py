@@ -8,7 +8,8 @@ An experiment module declares:
   SCALES     {"judge": Scale, "paper": Scale}: the recipe each run starts from (judge: the
              judge scale of configs/judge.py, where the models have learned; paper: the
              paper's sizes, for an accelerator)
-  CURVES     (split, key prefix) pairs of metrics.jsonl copied into curves.csv
+  CURVES     (split, key) pairs of metrics.jsonl copied into curves.csv; a key is exact
+             ("loss" is not "loss_z") or an fnmatch pattern ("residual_rms/layer_*")
   grid(args, scale) -> [Variant]      the grid without seeds (args.quick shrinks it)
   summarize(rows, curves, config) -> Summary     table, verdict and figures, from files only
 and optionally add_arguments(parser), row_extra(run, workdir_config) -> dict,
@@ -43,6 +44,7 @@ where its workdir is gone, so a sweep resumes from a committed results folder.
 import argparse
 import collections
 import dataclasses
+import fnmatch
 import functools
 import importlib.util
 import json
@@ -423,13 +425,20 @@ def _num_params(model_json):
   return model_lib.count_params(abstract)
 
 
+def copies_curve(experiment, split, key):
+  """Whether curves.csv holds metrics.jsonl's `key` of `split` (experiment.CURVES)."""
+  return any(split == s and fnmatch.fnmatchcase(key, pattern) for s, pattern in experiment.CURVES)
+
+
 def collect(experiment, runs):
   """results.csv rows and curves.csv rows of the finished runs."""
   rows, curves = [], []
   for r in runs:
     if r.from_record():  # as the results folder holds it, under the run's labels of today
       rows.append({**r.record.row, **dict(r.labels)})
-      curves += [dict(c) for c in r.record.curves]
+      # A record written when a key matched more (a prefix) keeps only what CURVES names.
+      curves += [dict(c) for c in r.record.curves
+                 if copies_curve(experiment, c["split"], c["key"])]
       continue
     summary = r.summary()
     with open(os.path.join(r.workdir, "config.json")) as f:
@@ -453,13 +462,11 @@ def collect(experiment, runs):
       row.update(experiment.row_extra(r, run_config))
     rows.append(row)
     for record in metrics.read_metrics(r.workdir):
-      for split, prefix in experiment.CURVES:
-        if record.get("split") != split:
-          continue
-        for key, value in record.items():
-          if key.startswith(prefix) and isinstance(value, (int, float)):
-            curves.append({"name": r.name, "split": split, "key": key,
-                           "step": int(record["step"]), "value": float(value)})
+      split = record.get("split")
+      for key, value in record.items():
+        if isinstance(value, (int, float)) and copies_curve(experiment, split, key):
+          curves.append({"name": r.name, "split": split, "key": key,
+                         "step": int(record["step"]), "value": float(value)})
   return rows, curves
 
 

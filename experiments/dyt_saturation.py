@@ -20,9 +20,10 @@ The default globs are lr_sensitivity's d = 32 DyT runs under its default root (t
 runs of the selection seed and the sweep's of the other seeds); a sweep started with --root=R
 names R instead of runs/claims.
 Writes OUT/{results.csv (run, alpha_0 of the final DyT, lr, seed, step, eval loss, saturated
-fraction, the RMS of the final DyT's input, the two readings), table.md (the counts, and
-per LR and alpha_0 the final DyT's input RMS at --early_step: does the stream's growth
-follow alpha_0?)}.
+fraction, the RMS of the final DyT's input and of the stream entering block 1, the two
+readings), table.md (the counts; per LR and alpha_0 the final DyT's input RMS at --early_step:
+does the stream's growth follow alpha_0?; and the embedding's share of it there: is the growth
+the embedding's or the blocks'?)}.
 """
 import argparse
 import glob
@@ -38,6 +39,7 @@ from geonorm_jax.training import metrics  # pylint: disable=g-import-not-at-top
 
 KEY = "collapse/tanh_saturated_final"
 INPUT_RMS = "norm_input_rms/final_norm"  # the RMS of what enters the final DyT
+EMBED_RMS = "residual_rms/layer_00"  # the stream entering block 1: the scaled embedding
 DEFAULT_RUNS = "runs/claims/lr_grid/d32/dyt*/lr*/seed*,runs/claims/d32/dyt*/lr*/seed*"
 
 
@@ -52,7 +54,8 @@ def run_readings(workdir, saturated, plateau_loss):
   for record in metrics.read_metrics(workdir):
     if record.get("split") == "layers" and KEY in record:
       by_step.setdefault(record["step"], {}).update(
-          saturated_fraction=record[KEY], input_rms=record.get(INPUT_RMS, float("nan")))
+          saturated_fraction=record[KEY], input_rms=record.get(INPUT_RMS, float("nan")),
+          embed_rms=record.get(EMBED_RMS, float("nan")))
     elif record.get("split") == "eval" and "loss" in record:
       by_step.setdefault(record["step"], {})["eval_loss"] = record["loss"]
   model = config["model"]  # dyt_alpha_final 0: the paper's table's value, as the model resolves it
@@ -101,38 +104,51 @@ def table(rows, args):
     total = sum(cell.values())
     lines.append(f"| {group} | {both} | {neither} | {cell.get((True, False), 0)} | "
                  f"{cell.get((False, True), 0)} | {both + neither} of {total} |")
-  return "\n".join(lines + [""] + early_growth(rows, args.early_step, name, order)) + "\n"
+  return "\n".join(lines + [""] + early_growth(rows, args.early_step, name, order) + [""] +
+                   embedding_share(rows, args.early_step, name, order)) + "\n"
+
+
+def _lr_table(rows, step, name, order, header, text):
+  """Table lines: one row per LR, one column per setting; a cell is text(its runs' rows at
+  `step`, one per seed) under the column title header(setting)."""
+  cells = {}  # (lr, setting) -> rows over seeds
+  for row in rows:
+    if row["step"] == step:
+      cells.setdefault((row["lr"], name(row)), []).append(row)
+  groups = [group for group in order if any(g == group for _, g in cells)]
+  lines = ["| lr | " + " | ".join(header(g) for g in groups) + " |", "|---|" + "---|" * len(groups)]
+  for lr in sorted({lr for lr, _ in cells}):
+    row = [text(cells[lr, g]) if (lr, g) in cells else "-" for g in groups]
+    lines.append(f"| {lr:g} | " + " | ".join(row) + " |")
+  return lines
 
 
 def early_growth(rows, step, name, order):
   """Table lines: per LR and setting, the final DyT's input RMS at one early evaluation step
   (median over seeds). If the stream grew by itself, the RMS would not depend on alpha_0; if
   training drove the final DyT to one degree of saturation, alpha_0 x RMS would not."""
-  cells = {}  # (lr, setting) -> [(input RMS, saturated)] over seeds
-  alpha_of = {}
-  for row in rows:
-    alpha_of[name(row)] = row["alpha_0"]
-    if row["step"] == step:
-      cells.setdefault((row["lr"], name(row)), []).append((row["input_rms"], row["saturated"]))
-  groups = [group for group in order if any(g == group for _, g in cells)]
-  lines = [f"The final DyT's input RMS at step {step}, median over seeds (alpha is learnable: "
+  def text(cell):
+    median = statistics.median(r["input_rms"] for r in cell)
+    return (f"{median:.3g}, {cell[0]['alpha_0'] * median:.3g}, "
+            f"{sum(r['saturated'] for r in cell)} of {len(cell)}")
+  return ([f"The final DyT's input RMS at step {step}, median over seeds (alpha is learnable: "
            "alpha_0 x RMS is the argument's scale before alpha moves), and how many of the "
-           "seeds' runs are saturated there:", "",
-           "| lr | " + " | ".join(f"alpha_0 {g}: RMS, alpha_0 x RMS, saturated"
-                                  for g in groups) + " |",
-           "|---|" + "---|" * len(groups)]
-  for lr in sorted({lr for lr, _ in cells}):
-    row = []
-    for group in groups:
-      cell = cells.get((lr, group))
-      if cell is None:
-        row.append("-")
-        continue
-      median = statistics.median(rms for rms, _ in cell)
-      saturated = sum(s for _, s in cell)
-      row.append(f"{median:.3g}, {alpha_of[group] * median:.3g}, {saturated} of {len(cell)}")
-    lines.append(f"| {lr:g} | " + " | ".join(row) + " |")
-  return lines
+           "seeds' runs are saturated there:", ""] +
+          _lr_table(rows, step, name, order,
+                    lambda g: f"alpha_0 {g}: RMS, alpha_0 x RMS, saturated", text))
+
+
+def embedding_share(rows, step, name, order):
+  """Table lines: per LR and setting, at the same step, the RMS of the stream entering block 1
+  (the embedding times its learnable scale, sqrt(d) at init) and its share of the final DyT's
+  input RMS (medians over seeds). A small share puts the growth in the blocks' updates, where a
+  smaller embedding scale does not act directly."""
+  def text(cell):
+    embed = statistics.median(r["embed_rms"] for r in cell)
+    return f"{embed:.3g}, {embed / statistics.median(r['input_rms'] for r in cell):.2f}"
+  return ([f"The stream entering block 1 (the scaled embedding) at step {step}: its RMS and "
+           "that RMS over the final DyT's input RMS, medians over seeds:", ""] +
+          _lr_table(rows, step, name, order, lambda g: f"alpha_0 {g}: RMS, share", text))
 
 
 def main(argv=None):

@@ -19,7 +19,7 @@ def _run(path, placement, alpha, records, warmup=100):
 
 def _layers(step, fraction):
   return {"step": step, "split": "layers", "collapse/tanh_saturated_final": fraction,
-          "norm_input_rms/final_norm": 10 * fraction}
+          "norm_input_rms/final_norm": 10 * fraction, "residual_rms/layer_00": fraction ** 2}
 
 
 def _eval(step, loss):
@@ -56,6 +56,11 @@ def test_counts_each_eval_step_where_both_are_logged(tmp_path):
   # Step 250 at lr 0.016: alpha_0 1 one run (RMS 10, saturated); alpha_0 3 two (RMS 5 and 3,
   # median 4, neither saturated).
   assert "| 0.016 | 10, 10, 1 of 1 | 4, 12, 0 of 2 |" in table
+  # The embedding's RMS there: 1 of 10 at alpha_0 1; medians 0.17 (0.25, 0.09) of 4 at 3.
+  assert [float(r["embed_rms"]) for r in rows] == pytest.approx(
+      [1, 0.9801, 0.01, 0.25, 0.9216, 0.09])
+  assert "| lr | alpha_0 1: RMS, share | alpha_0 3: RMS, share |" in table
+  assert "| 0.016 | 1, 0.10 | 0.17, 0.04 |" in table
 
 
 def test_a_different_warmup_is_its_own_group(tmp_path):

@@ -78,6 +78,10 @@ def test_too_few_values_give_an_infinite_interval_and_equal_differences_a_point(
   one = stats.difference({0: 1.0}, {0: 2.0})
   assert (one.low, one.high, one.outcome) == (-math.inf, math.inf, "unresolved")
   assert stats.difference({0: 1.0, 1: 2.0}, {5: 1.0}).outcome == "unresolved"
+  # One shared seed: that seed's difference (-1), not mean(a) - mean(b) over the seeds b alone has.
+  lone = stats.difference({0: 1.0}, {0: 2.0, 1: 4.0})
+  assert (lone.mean, lone.n, lone.paired) == (-1.0, 1, True)
+  assert "paired over 1 seeds" in lone.describe()
   point = stats.difference({0: 1.5, 1: 2.5}, {0: 1.0, 1: 2.0})  # +0.5 on both seeds
   assert (point.low, point.high, point.p, point.outcome) == (0.5, 0.5, 0.0, "higher")
 

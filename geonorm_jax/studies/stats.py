@@ -67,8 +67,13 @@ def difference(a_by_seed, b_by_seed, level=LEVEL):
     df = (va + vb) ** 2 / (va ** 2 / (len(xa) - 1) + vb ** 2 / (len(xb) - 1)) if error else 1.0
     paired, n = False, min(len(xa), len(xb))
   else:
-    mean = (float(np.mean(list(a.values())) - np.mean(list(b.values()))) if a and b
-            else float("nan"))
+    # One shared seed is a pair of one: its own difference, not the means over unequal seed sets
+    # (a seed one side has alone would enter a mean the label calls paired).
+    if shared:
+      mean = a[shared[0]] - b[shared[0]]
+    else:
+      mean = (float(np.mean(list(a.values())) - np.mean(list(b.values()))) if a and b
+              else float("nan"))
     return Difference(mean, -math.inf, math.inf, 1.0, len(shared), 0.0, bool(shared), level)
   if error == 0:  # identical differences: the sign is certain, the interval a point
     p = 0.0 if mean else 1.0
